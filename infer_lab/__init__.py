@@ -1,0 +1,32 @@
+"""infer_lab: a small, tested LLM inference engine, built one chapter at a time.
+
+``import infer_lab as il`` gives the public face that the chapters use. It never imports the
+server stack (FastAPI, uvicorn): a GPU box with only torch and triton runs chapters 1-5.
+"""
+
+from infer_lab.model import (
+    CheckpointError,
+    GenerationOutput,
+    ModelConfig,
+    Tokenizer,
+    Transformer,
+    UnsupportedModelError,
+    generate_naive,
+    load,
+    load_model,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "GenerationOutput",
+    "ModelConfig",
+    "Tokenizer",
+    "Transformer",
+    "UnsupportedModelError",
+    "__version__",
+    "generate_naive",
+    "load",
+    "load_model",
+]

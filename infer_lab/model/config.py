@@ -1,0 +1,202 @@
+"""Model configuration read from a Hugging Face ``config.json``.
+
+One dataclass covers every supported Llama-family model, because the families differ only in a
+handful of switches (biases, q/k norms, sliding windows, RoPE scaling). Reading them into one shape
+here is what lets the rest of the package be written once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# model_type -> the architecture name transformers uses for it.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is of an architecture (or uses a feature) this engine does not implement."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, normalised from either config shape."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the transformer needs to know about a checkpoint's shape."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # One entry per layer: the sliding-window width, or None for full attention.
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window width of ``layer`` (None means the layer attends to the whole prefix)."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def num_parameters(self) -> int:
+        """Parameter count implied by the config (embeddings counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        attn += (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias
+        attn += 2 * self.head_dim * self.qk_norm
+        mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
+        per_layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_hidden_layers * per_layer + h + head
+
+    # ------------------------------------------------------------------ reading
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed ``config.json``; raises a clear error for anything unsupported."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            archs = raw.get("architectures") or []
+            supported = ", ".join(
+                f"{arch} ({mt})" for mt, arch in SUPPORTED_ARCHITECTURES.items()
+            )
+            raise UnsupportedModelError(
+                f"unsupported architecture: model_type={model_type!r} "
+                f"architectures={archs!r}; infer_lab supports {supported}"
+            )
+        required = (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ValueError(f"config.json is missing required keys: {', '.join(missing)}")
+        heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(
+                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        layers = int(raw["num_hidden_layers"])
+        return cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_read_rope(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=_qkv_bias(raw),
+            o_bias=model_type in ("llama", "qwen3") and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_windows=_read_windows(raw, model_type, layers),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+
+def _qkv_bias(raw: dict[str, Any]) -> bool:
+    """Qwen2 always has q/k/v biases, Mistral never; Llama and Qwen3 with ``attention_bias``."""
+    if raw["model_type"] == "qwen2":
+        return True
+    if raw["model_type"] == "mistral":
+        return False
+    return bool(raw.get("attention_bias", False))
+
+
+def _read_rope(raw: dict[str, Any]) -> RopeConfig:
+    """Normalise the hub's ``rope_theta``/``rope_scaling`` and transformers 5's ``rope_parameters``.
+    """
+    params: dict[str, Any] = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported RoPE scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+    )
+
+
+def _read_windows(raw: dict[str, Any], model_type: str, layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows, following each family's rule in transformers."""
+    window = raw.get("sliding_window")
+    if model_type == "mistral":
+        return (int(window),) * layers if window else ()
+    if model_type in ("qwen2", "qwen3"):
+        # As in transformers: the window applies only when use_sliding_window is set.
+        if not raw.get("use_sliding_window", False) or not window:
+            return ()
+        layer_types = raw.get("layer_types")
+        if layer_types:
+            return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+        first = int(raw.get("max_window_layers", layers))
+        return tuple(int(window) if i >= first else None for i in range(layers))
+    return ()
