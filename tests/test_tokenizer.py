@@ -496,7 +496,7 @@ def test_stream_with_space_clean_up(tmp_path: Path) -> None:
 def test_named_special_tokens_are_special_even_if_tokenizer_json_disagrees(
     bpe_dir: Path, tmp_path: Path
 ) -> None:
-    """transformers marks bos/eos/... special on load; `skip_special_tokens` must drop them here too."""
+    """transformers marks bos/eos/... special on load, so `skip_special_tokens` drops them."""
     shutil.copytree(bpe_dir, tmp_path, dirs_exist_ok=True)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
     for added in spec["added_tokens"]:
