@@ -153,10 +153,7 @@ def load_model(
     for file in files:
         check_safetensors(file)
 
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to(dtype).to_empty(device=device)
-    model.reset_rope()
+    model = Transformer.empty(cfg, device, dtype)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     unexpected: list[str] = []

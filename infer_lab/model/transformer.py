@@ -125,6 +125,19 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.reset_rope()
 
+    @classmethod
+    def empty(cls, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
+        """Allocate on ``device`` without initialising: the weights are about to be overwritten.
+
+        Building on the meta device first skips the random init a 70 B model would take minutes
+        over, and never holds the weights twice.
+        """
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to(dtype).to_empty(device=device)
+        model.reset_rope()
+        return model
+
     def reset_rope(self) -> None:
         """(Re)compute the RoPE frequencies; needed after the module is materialised from meta."""
         cfg = self.config

@@ -1,0 +1,53 @@
+"""What every benchmark script shares: provenance for its JSON, and a plain table."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def provenance(device: str) -> dict[str, Any]:
+    """Where and when a number was taken: device, commit, date, library versions."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor()
+    return {
+        "device": device,
+        "device_name": name or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "commit": commit,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_results(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
+    out_dir = Path(out_dir or RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    def fmt(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(fmt(r[c]).rjust(w) for c, w in zip(columns, widths)))

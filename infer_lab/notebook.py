@@ -1,0 +1,38 @@
+"""Small helpers the chapters share, so their set-up cells stay two lines long."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def on_colab() -> bool:
+    return "google.colab" in sys.modules
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def pick(cpu: T, gpu: T) -> T:
+    """The CPU size or the GPU size of an experiment: one notebook, run unchanged on both."""
+    return gpu if on_gpu() else cpu
+
+
+def glue(name: str, value: Any, fmt: str | None = None) -> Any:
+    """Hand a computed value to the book's prose (myst-nb ``glue``) and return it.
+
+    Outside a book build (Colab, a plain Jupyter) myst-nb may be missing: then the value is only
+    returned, and the prose that quotes it shows the cell's printed output instead.
+    """
+    shown = format(value, fmt) if fmt else value
+    try:
+        from myst_nb import glue as _glue
+    except ImportError:
+        return value
+    _glue(name, shown, display=False)
+    return value

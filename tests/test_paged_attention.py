@@ -1,0 +1,203 @@
+"""Paged attention of Chapter 3: the same numbers as dense causal attention, the same tokens as
+naive generation, and every block back in the pool afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infer_lab as il
+from infer_lab.cache import (
+    BlockManager,
+    NoFreeBlocksError,
+    PagedAttentionContext,
+    PagedKVCache,
+    build_paged_batch,
+    generate_paged,
+    paged_attention_ref,
+)
+from infer_lab.cache.paged import default_num_blocks
+from infer_lab.model.attention import causal_attention
+from tests.helpers import assert_greedy_equal, make_checkpoint
+
+# ------------------------------------------------------------ the reference vs dense attention
+
+# (context length after the step, query chunk length): a single token, odd lengths, exact and
+# crossing block boundaries, chunks that start mid-sequence (cached prefix + new tokens).
+CASES = [(1, 1), (7, 7), (16, 16), (17, 1), (33, 5), (9, 3), (40, 23), (21, 1)]
+
+
+def scatter_into_pages(seqs, block_size, num_blocks, gen):
+    """Lay each sequence's dense K/V into randomly placed blocks; returns the batch and cache."""
+    hkv, d = seqs[0][1].shape[1:]
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen)  # garbage elsewhere
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    chunks = []
+    for q, k, v in seqs:
+        ctx_len, q_len = k.shape[0], q.shape[0]
+        table = [free.pop() for _ in range(-(-ctx_len // block_size))]
+        for pos in range(ctx_len):
+            blk, off = table[pos // block_size], pos % block_size
+            k_cache[blk, off], v_cache[blk, off] = k[pos], v[pos]
+        chunks.append(([0] * q_len, ctx_len - q_len, table))
+    return build_paged_batch(chunks, block_size, num_blocks), k_cache, v_cache
+
+
+def dense_attention(q, k, v, window):
+    """softmax(q k^T / sqrt(d)) v over ``[S, H, D]``, the mask written out: p - window < j <= p."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    p, j = torch.arange(len(q))[:, None], torch.arange(len(k))[None, :]
+    visible = (j <= p) & ((j > p - window) if window else True)
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_attention_ref_equals_dense_causal(window, heads, block_size):
+    hq, hkv = heads
+    d = 16
+    gen = torch.Generator().manual_seed(hq * 100 + hkv + block_size + (window or 0))
+    seqs, full_qs = [], []
+    for ctx_len, q_len in CASES:
+        full_q = torch.randn(ctx_len, hq, d, generator=gen)
+        k = torch.randn(ctx_len, hkv, d, generator=gen)
+        v = torch.randn(ctx_len, hkv, d, generator=gen)
+        seqs.append((full_q[ctx_len - q_len:], k, v))
+        full_qs.append(full_q)
+    batch, k_cache, v_cache = scatter_into_pages(seqs, block_size, 64, gen)
+    q = torch.cat([s[0] for s in seqs])
+    out = paged_attention_ref(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                              batch.cu_seqlens_q, window=window)
+    assert out.shape == q.shape
+    # Dense references: the whole sequence's causal attention (the model's no-cache path) and a
+    # by-hand softmax, keeping the chunk's rows (the last ones).
+    for b, (full_q, (qb, k, v)) in enumerate(zip(full_qs, seqs, strict=True)):
+        rows = out[batch.cu_seqlens_q[b]:batch.cu_seqlens_q[b + 1]]
+        dense = causal_attention(full_q[None], k[None], v[None], window)[0][-qb.shape[0]:]
+        torch.testing.assert_close(rows, dense, atol=1e-5, rtol=1e-5)
+        by_hand = dense_attention(full_q, k, v, window)[-qb.shape[0]:]
+        torch.testing.assert_close(rows, by_hand, atol=1e-5, rtol=1e-5)
+
+
+def test_batch_layout():
+    # Sequence 0: 3 cached + 2 new tokens; sequence 1: a 6-token prompt; block size 4.
+    batch = build_paged_batch([([7, 8], 3, [5, 2]), ([1, 2, 3, 4, 5, 6], 0, [0, 3, 9])], 4, 10)
+    assert batch.input_ids.tolist() == [7, 8, 1, 2, 3, 4, 5, 6]
+    assert batch.positions.tolist() == [3, 4, 0, 1, 2, 3, 4, 5]
+    assert batch.slot_mapping.tolist() == [5 * 4 + 3, 2 * 4 + 0, 0, 1, 2, 3, 3 * 4, 3 * 4 + 1]
+    assert batch.block_tables.tolist() == [[5, 2], [0, 3]]  # unused entry 9 dropped
+    assert batch.context_lens.tolist() == [5, 6]
+    assert batch.cu_seqlens_q.tolist() == [0, 2, 8]
+    assert batch.logits_indices.tolist() == [1, 7]
+    padded = build_paged_batch([([7], 0, [1]), ([1] * 5, 0, [0, 3])], 4, 10)
+    assert padded.block_tables.tolist() == [[1, -1], [0, 3]]
+
+
+def test_block_table_past_the_pool_is_a_value_error():
+    with pytest.raises(ValueError, match="outside the pool"):
+        build_paged_batch([([1, 2, 3], 0, [4])], block_size=4, num_blocks=4)
+    with pytest.raises(ValueError, match="need 2 blocks"):
+        build_paged_batch([([1, 2, 3], 2, [1])], block_size=4, num_blocks=4)
+    q = torch.randn(3, 2, 8)
+    cache = torch.randn(4, 4, 2, 8)
+    for bad in ([[4]], [[-1]]):
+        with pytest.raises(ValueError, match="outside the pool"):
+            paged_attention_ref(q, cache, cache, torch.tensor(bad), torch.tensor([3]),
+                                torch.tensor([0, 3]))
+    with pytest.raises(ValueError):  # more queries than context
+        paged_attention_ref(q, cache, cache, torch.tensor([[1]]), torch.tensor([2]),
+                            torch.tensor([0, 3]))
+
+
+def test_context_writes_new_kv_through_the_slot_mapping():
+    from infer_lab.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(dict(
+        model_type="llama", vocab_size=8, hidden_size=16, intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    ))
+    cache = PagedKVCache(cfg, num_blocks=6, block_size=4)
+    batch = build_paged_batch([([1, 2, 3], 2, [4, 1]), ([5], 0, [3])], 4, 6)
+    q, k, v = torch.randn(4, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+    PagedAttentionContext(cache, batch).attend(1, q, k, v, None)
+    flat_k = cache.k_caches[1].view(-1, 1, 8)
+    assert torch.equal(flat_k[[4 * 4 + 2, 4 * 4 + 3, 1 * 4 + 0, 3 * 4]], k)
+    assert cache.k_caches[0].abs().sum() == 0  # layer 0 untouched
+    cache.copy_blocks([(4, 0)])
+    assert torch.equal(cache.kv[:, :, 0], cache.kv[:, :, 4])
+
+
+# --------------------------------------------------------------------------------- with a model
+
+PROMPTS = [
+    "In the beginning was the word",
+    "Prefill",
+    [5, 17, 200, 31, 9, 44, 120, 3, 88, 61, 250, 12, 77, 14, 15, 16, 19, 300],  # 18 tokens
+    "The quick brown fox",
+]
+
+
+@pytest.fixture(scope="module", params=["llama3", "mistral_window", "qwen3"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    make_checkpoint(path, request.param)
+    return il.load(path)
+
+
+def logits_after(model, prompt_ids):
+    return lambda prefix: model(torch.tensor([prompt_ids + prefix]), last_only=True)[0, -1]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_generate_paged_equals_naive_and_frees_every_block(model, block_size):
+    m, tok = model
+    mgr = BlockManager(num_blocks=40, block_size=block_size)
+    # 20 new tokens: every sequence crosses block boundaries and goes past mistral's window of 8.
+    outs = generate_paged(m, tok, PROMPTS, max_tokens=20, ignore_eos=True, block_manager=mgr)
+    assert mgr.num_free_blocks == mgr.pool.num_total and not mgr.seq_ids()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ref = il.generate_naive(m, tok, prompt, max_tokens=20, ignore_eos=True)
+        assert out.prompt_token_ids == ref.prompt_token_ids and len(out.token_ids) == 20
+        assert_greedy_equal(out.token_ids, ref.token_ids, logits_after(m, ref.prompt_token_ids))
+
+
+def test_default_pool_is_exactly_enough_and_one_block_less_is_signalled(model):
+    m, tok = model
+    lens = [len(o.prompt_token_ids) for o in generate_paged(m, tok, PROMPTS, max_tokens=1)]
+    # All four run 20 steps; at the last each holds prompt + 19 tokens (the 20th is never fed).
+    needed = default_num_blocks(lens, [20] * 4, 4)
+    assert needed == sum(-(-(n + 19) // 4) for n in lens)
+    generate_paged(m, tok, PROMPTS, max_tokens=20, block_size=4, ignore_eos=True)
+    with pytest.raises(NoFreeBlocksError):
+        generate_paged(m, tok, PROMPTS, max_tokens=20, block_size=4, num_blocks=needed - 1,
+                       ignore_eos=True)
+
+
+def prefill_logits(m, cache, mgr, seq, ids, start):
+    """Run ``ids[start:]`` as one chunk of sequence ``seq`` whose first ``start`` are cached."""
+    batch = build_paged_batch([(ids[start:], start, mgr.block_table(seq))], mgr.block_size,
+                              mgr.pool.num_total)
+    return m(batch.input_ids, batch.positions, PagedAttentionContext(cache, batch))[0]
+
+
+def test_chunked_prefill_and_shared_prefix_match_the_plain_forward(model):
+    m, _ = model
+    ids = torch.randint(3, 384, (19,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = m(torch.tensor([ids]), last_only=True)[0, -1]
+    mgr = BlockManager(num_blocks=12, block_size=4)
+    cache = PagedKVCache(m.config, 12, 4)
+    # Chunked prefill: 7 tokens, then 12 more starting mid-block, attending to the cached 7.
+    mgr.allocate_sequence("a", 7)
+    prefill_logits(m, cache, mgr, "a", ids[:7], 0)
+    mgr.append_slots("a", 12)
+    torch.testing.assert_close(prefill_logits(m, cache, mgr, "a", ids, 7), full,
+                               atol=1e-4, rtol=1e-4)
+    # Prefix sharing: "b" has the same first 8 tokens, reuses a's two full blocks, computes 11.
+    mgr.allocate_sequence("b", 19, prefix_blocks=mgr.block_table("a")[:2])
+    torch.testing.assert_close(prefill_logits(m, cache, mgr, "b", ids, 8), full,
+                               atol=1e-4, rtol=1e-4)
