@@ -4,6 +4,7 @@
 server stack (FastAPI, uvicorn): a GPU box with only torch and triton runs chapters 1-5.
 """
 
+from infer_lab.engine import LLM, RequestOutput, SamplingParams
 from infer_lab.model import (
     CheckpointError,
     GenerationOutput,
@@ -21,7 +22,10 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "GenerationOutput",
+    "LLM",
     "ModelConfig",
+    "RequestOutput",
+    "SamplingParams",
     "Tokenizer",
     "Transformer",
     "UnsupportedModelError",

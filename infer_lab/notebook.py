@@ -23,13 +23,23 @@ def pick(cpu: T, gpu: T) -> T:
     return gpu if on_gpu() else cpu
 
 
+class _Formatted:
+    """Shows as its text: a glued *string* would otherwise appear in the prose with quotes."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def glue(name: str, value: Any, fmt: str | None = None) -> Any:
     """Hand a computed value to the book's prose (myst-nb ``glue``) and return it.
 
     Outside a book build (Colab, a plain Jupyter) myst-nb may be missing: then the value is only
     returned, and the prose that quotes it shows the cell's printed output instead.
     """
-    shown = format(value, fmt) if fmt else value
+    shown = _Formatted(format(value, fmt)) if fmt else value
     try:
         from myst_nb import glue as _glue
     except ImportError:

@@ -527,6 +527,8 @@ def main() -> None:
     log["wall_minutes"] = (time.time() - t_start) / 60
     write_model_card(out, log)
     (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    for f in out.iterdir():
+        f.chmod(0o644)  # safetensors writes model.safetensors as 0600
     sizes = {f.name: f.stat().st_size for f in sorted(out.iterdir())}
     print(f"wrote {out}: {json.dumps(sizes)}", flush=True)
     print(f"wall time {log['wall_minutes']:.1f} min", flush=True)

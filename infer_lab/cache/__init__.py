@@ -17,6 +17,7 @@ from infer_lab.cache.paged import (
 from infer_lab.cache.planner import MemoryPlan, plan_memory
 from infer_lab.cache.published import PUBLISHED, attention_kind
 from infer_lab.cache.sizing import kv_bytes_per_token, kv_cache_bytes, model_kv_cache_bytes
+from infer_lab.cache.waste import KVUsage, kv_usage
 
 __all__ = [
     "PUBLISHED",
@@ -24,6 +25,7 @@ __all__ = [
     "BlockPool",
     "ContiguousAttentionContext",
     "ContiguousKVCache",
+    "KVUsage",
     "MemoryPlan",
     "NoFreeBlocksError",
     "PagedAttentionContext",
@@ -35,6 +37,7 @@ __all__ = [
     "generate_paged",
     "kv_bytes_per_token",
     "kv_cache_bytes",
+    "kv_usage",
     "model_kv_cache_bytes",
     "paged_attention_ref",
     "plan_memory",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from infer_lab import kernels
 from infer_lab.cache.block_pool import BlockManager, cdiv, slot_mapping_for
 from infer_lab.model.attention import causal_mask
 from infer_lab.model.config import ModelConfig
@@ -204,25 +205,29 @@ def paged_attention_ref(
 
 
 class PagedAttentionContext:
-    """The model's attention backend for one :class:`PagedBatch` over a :class:`PagedKVCache`."""
+    """The model's attention backend for one :class:`PagedBatch` over a :class:`PagedKVCache`.
 
-    def __init__(self, cache: PagedKVCache, batch: PagedBatch) -> None:
+    ``backend`` picks the kernels as :mod:`infer_lab.kernels` does (None: the global setting,
+    which is Triton on CUDA and torch elsewhere); ``"torch"`` is :func:`paged_attention_ref`.
+    """
+
+    def __init__(self, cache: PagedKVCache, batch: PagedBatch, *, backend: str | None = None
+                 ) -> None:
         if batch.block_size != cache.block_size:
             raise ValueError(f"batch built for block size {batch.block_size}, cache has "
                              f"{cache.block_size}")
-        self.cache, self.batch = cache, batch
+        self.cache, self.batch, self.backend = cache, batch, backend
         self.logits_indices = batch.logits_indices
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     ) -> torch.Tensor:
         kc, vc = self.cache.k_caches[layer], self.cache.v_caches[layer]
-        slots = self.batch.slot_mapping
-        kc.view(-1, *kc.shape[2:])[slots] = k.to(kc.dtype)
-        vc.view(-1, *vc.shape[2:])[slots] = v.to(vc.dtype)
         b = self.batch
-        return paged_attention_ref(q, kc, vc, b.block_tables, b.context_lens, b.cu_seqlens_q,
-                                   window=window)
+        backend = kernels.resolve_backend(self.backend, q)
+        kernels.store_kv(k, v, kc, vc, b.slot_mapping, backend=backend)
+        attention = kernels.paged_attention_triton if backend == "triton" else paged_attention_ref
+        return attention(q, kc, vc, b.block_tables, b.context_lens, b.cu_seqlens_q, window=window)
 
 
 def default_num_blocks(prompt_lens: Sequence[int], budgets: Sequence[int], block_size: int) -> int:

@@ -60,3 +60,12 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: ``silu(x[..., :n]) * x[..., n:]`` for the fused gate/up projection."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def store_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``k``/``v`` ``[T, Hkv, D]`` into cache slots (``block * block_size + offset``)."""
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)

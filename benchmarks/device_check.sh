@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One prepared command for a lent GPU machine (DESIGN.md: an H200 with Python 3.12, torch 2.11,
+# triton 3.6, pytest and transformers, but no Jupyter, nbval or jupytext). From the repo root:
+#
+#     bash benchmarks/device_check.sh
+#
+# Steps, each with its own time limit (about 7 minutes in all), each logged:
+#   1. cpu_dry_run  the interpreter tests of the kernels and the benchmark's CPU smoke test with
+#                   the GPU hidden (CUDA_VISIBLE_DEVICES=): catches a broken environment cheaply;
+#   2. gpu_tests    pytest -m gpu: every kernel compiled and checked on the GPU (bf16, fp16, fp32);
+#   3. chapters     chapters/01..04 at GPU sizes. Jupyter is not there, so the code cells of each
+#                   chapter's .md are run in order in one namespace (plots to files, not shown);
+#   4. kernels      python -m benchmarks.kernels: GB/s against the copy ceiling, and eager torch.
+# Output goes to $OUT when set (the device tool brings back at most 8 files: summary.txt, one log
+# per step, kernels.json), else to benchmarks/results/device_check/. Exit status: 0 if all passed.
+# Nothing is installed: infer_lab runs from this tree (PYTHONPATH), everything else is there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+RES=${OUT:-benchmarks/results/device_check}
+mkdir -p "$RES"
+: > "$RES/summary.txt"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+  TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg
+failed=0
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the verdict
+  local name=$1 limit=$2 start rc
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  start=$(date +%s)
+  timeout "$limit" "$@" 2>&1 | tee "$RES/$name.log"
+  rc=${PIPESTATUS[0]}
+  echo "$name: rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$RES/summary.txt"
+  [ "$rc" -eq 0 ] || failed=1
+}
+
+{ echo "date: $(date -u +%FT%TZ)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1
+  $PY -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__,
+"triton", triton.__version__, "cuda", torch.cuda.is_available())' 2>&1; } | tee -a "$RES/summary.txt"
+
+KERNEL_TESTS="tests/test_kernels_ops.py tests/test_kernels_attention.py tests/test_kernels_model.py"
+step cpu_dry_run 150 env CUDA_VISIBLE_DEVICES= bash -c \
+  "$PY -m pytest -q -n 8 -p no:cacheprovider $KERNEL_TESTS && \
+   $PY -m benchmarks.kernels --cpu-smoke --out /tmp/infer_lab_smoke"
+
+step gpu_tests 180 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/
+
+step chapters 240 $PY - <<'PYCODE'
+"""Run each chapter's code cells (from its MyST .md) in order, as Jupyter would."""
+import re, sys, time, traceback
+from pathlib import Path
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+plt.show = lambda *a, **k: plt.close("all")
+CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```\s*$", re.S | re.M)
+bad = 0
+for md in sorted(Path("chapters").glob("0[1-4]_*.md")):
+    start, ns = time.time(), {"__name__": "__main__"}
+    try:
+        for i, cell in enumerate(CELL.findall(md.read_text())):
+            code = "\n".join(l for l in cell.splitlines() if not l.startswith(":"))
+            exec(compile(code, f"{md.name}[cell {i}]", "exec"), ns)
+        print(f"{md.name}: ok in {time.time() - start:.0f} s")
+    except Exception:
+        bad = 1
+        traceback.print_exc()
+        print(f"{md.name}: FAILED after {time.time() - start:.0f} s")
+    plt.close("all")
+sys.exit(bad)
+PYCODE
+
+step kernels 240 $PY -m benchmarks.kernels --out "$RES"
+
+echo "overall: $([ $failed -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$RES/summary.txt"
+exit $failed

@@ -1,0 +1,181 @@
+"""The KV cache, measured: naive vs cached decode, and paged vs contiguous decode steps.
+
+1. Greedy generation of ``--tokens`` tokens (512 by default) on the bundled model, with no cache
+   (``il.generate_naive``: every step re-runs the whole prefix) and with the contiguous KV cache
+   (``generate_cached``). Reports the end-to-end speedup and whether the tokens agree.
+2. One decode step of ``B`` sequences at ``--context`` tokens each, through the contiguous cache
+   (``ContiguousAttentionContext``) and through the paged cache (``PagedAttentionContext`` over
+   block tables, blocks scattered through the pool). Same model, same batch, same tokens; reports
+   paged / contiguous step time (paging's overhead). The batch metadata is built once, outside the
+   timed step, as a runner would build it alongside the previous step; its cost is reported apart.
+
+The two timings of each pair are interleaved, repeat by repeat, so that a noisy neighbour slows
+both alike, and medians are reported. Ratios are what to quote; absolute times count on a GPU.
+
+    python -m benchmarks.kv_cache [--tokens 512] [--batches 1 8 32] [--context 256] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import infer_lab as il
+from benchmarks._common import print_table, provenance, write_results
+from infer_lab.cache import (
+    BlockManager,
+    ContiguousAttentionContext,
+    ContiguousKVCache,
+    PagedAttentionContext,
+    PagedKVCache,
+    build_paged_batch,
+    generate_cached,
+)
+from infer_lab.model.transformer import Transformer
+
+PROMPT = "And God said, Let there be light"
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: str,
+                warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, the calls alternating repeat by repeat."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+@torch.inference_mode()
+def naive_vs_cached(model: Transformer, tok, tokens: int, repeats: int, device: str) -> dict:
+    naive = il.generate_naive(model, tok, PROMPT, max_tokens=tokens, ignore_eos=True)
+    cached = generate_cached(model, tok, [PROMPT], max_tokens=tokens, ignore_eos=True)[0]
+    times = interleaved(
+        {
+            "naive": lambda: il.generate_naive(model, tok, PROMPT, max_tokens=tokens,
+                                               ignore_eos=True),
+            "cached": lambda: generate_cached(model, tok, [PROMPT], max_tokens=tokens,
+                                              ignore_eos=True),
+        },
+        repeats, device, warmup=0,
+    )
+    return {
+        "tokens": tokens,
+        "naive_s": times["naive"],
+        "cached_s": times["cached"],
+        "naive_ms_per_token": times["naive"] / tokens * 1e3,
+        "cached_ms_per_token": times["cached"] / tokens * 1e3,
+        "speedup": times["naive"] / times["cached"],
+        "tokens_equal": naive.token_ids == cached.token_ids,
+    }
+
+
+@torch.inference_mode()
+def paged_vs_contiguous(model: Transformer, batch: int, context: int, block_size: int,
+                        repeats: int, device: str) -> dict:
+    """One decode step: ``batch`` sequences, each with ``context`` tokens cached."""
+    cfg, dtype = model.config, model.dtype
+    gen = torch.Generator().manual_seed(batch)
+    feed = torch.randint(0, cfg.vocab_size, (batch,), generator=gen).to(device)
+
+    contiguous = ContiguousKVCache(cfg, batch, context + 1, device, dtype)
+    start = torch.full((batch,), context, dtype=torch.long)
+
+    def contiguous_step() -> torch.Tensor:
+        ctx = ContiguousAttentionContext(contiguous, start, 1)
+        return model(feed, ctx.positions.flatten(), ctx)
+
+    # A pool with room to spare, blocks handed out in a shuffled order so that no sequence's
+    # blocks are neighbours (what a pool looks like after a while of serving).
+    blocks_each = -(-(context + 1) // block_size)
+    num_blocks = 2 * batch * blocks_each
+    mgr = BlockManager(num_blocks, block_size)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    mgr.pool._free.clear()
+    mgr.pool._free.extend(order)
+    for s in range(batch):
+        mgr.allocate_sequence(s, context + 1)
+    paged = PagedKVCache(cfg, num_blocks, block_size, device, dtype)
+    for i in range(cfg.num_hidden_layers):  # same (random) cache contents in both layouts
+        contiguous.k[i].normal_(generator=None)
+        contiguous.v[i].normal_()
+        for s in range(batch):
+            slots = torch.tensor(mgr.slot_mapping(s, 0, context + 1), device=device)
+            paged.k_caches[i].view(-1, *paged.k_caches[i].shape[2:])[slots] = contiguous.k[i][s]
+            paged.v_caches[i].view(-1, *paged.v_caches[i].shape[2:])[slots] = contiguous.v[i][s]
+
+    def build():
+        return build_paged_batch(
+            [([int(t)], context, mgr.block_table(s)) for s, t in enumerate(feed.tolist())],
+            block_size, num_blocks, device,
+        )
+
+    meta = build()
+
+    def paged_step() -> torch.Tensor:
+        return model(meta.input_ids, meta.positions, PagedAttentionContext(paged, meta))
+
+    same = torch.allclose(contiguous_step(), paged_step(), atol=1e-4, rtol=1e-4)
+    times = interleaved({"contiguous": contiguous_step, "paged": paged_step, "build": build},
+                        repeats, device)
+    return {
+        "batch": batch,
+        "context": context,
+        "block_size": block_size,
+        "contiguous_ms": times["contiguous"] * 1e3,
+        "paged_ms": times["paged"] * 1e3,
+        "build_ms": times["build"] * 1e3,
+        "paged_over_contiguous": times["paged"] / times["contiguous"],
+        "logits_close": bool(same),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--gen-repeats", type=int, default=3)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok = il.load(device=device)  # fp32 on CPU, the device's default dtype elsewhere
+    torch.manual_seed(0)
+
+    gen = naive_vs_cached(model, tok, args.tokens, args.gen_repeats, device)
+    print("naive vs cached decode, bundled model:")
+    print_table([gen], ["tokens", "naive_s", "cached_s", "speedup", "tokens_equal"])
+
+    steps = [paged_vs_contiguous(model, b, args.context, args.block_size, args.repeats, device)
+             for b in args.batches]
+    print("\npaged vs contiguous decode step, bundled model:")
+    print_table(steps, ["batch", "context", "contiguous_ms", "paged_ms", "paged_over_contiguous",
+                        "build_ms", "logits_close"])
+
+    payload = {"benchmark": "kv_cache", **provenance(device), "dtype": str(model.dtype),
+               "model": "bundled tiny-kjv", "prompt": PROMPT, "naive_vs_cached": gen,
+               "paged_vs_contiguous": steps}
+    print("wrote", write_results("kv_cache", payload, args.out))
+
+
+if __name__ == "__main__":
+    main()

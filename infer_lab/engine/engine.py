@@ -1,0 +1,336 @@
+"""The engine's step loop: schedule, run the model once, sample, detokenize, retire.
+
+:class:`LLMEngine` knows nothing of HTTP or of wall-clock arrival patterns: a caller adds requests
+(:meth:`add_request`), calls :meth:`step` as often as it likes, and gets back, per request that
+moved, what the step added. The offline :class:`~infer_lab.engine.llm.LLM` and the server of
+Chapter 6 are both thin loops around it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from infer_lab.cache.block_pool import cdiv
+from infer_lab.cache.planner import plan_memory
+from infer_lab.cache.sizing import kv_bytes_per_token
+from infer_lab.engine.kv_cache_manager import KVCacheManager
+from infer_lab.engine.model_runner import ModelRunner
+from infer_lab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from infer_lab.engine.sampler import Sampler
+from infer_lab.engine.sampling_params import SamplingParams
+from infer_lab.engine.scheduler import Scheduler, SchedulerConfig
+from infer_lab.engine.sequence import Request, Sequence, SequenceStatus
+from infer_lab.model.generate import stop_token_ids
+from infer_lab.model.tokenizer import Tokenizer
+from infer_lab.model.transformer import Transformer
+
+CPU_KV_BYTES = 1 << 30  # default KV pool on CPU: 1 GiB (or less, if that already fits everything)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found cached
+    num_steps: int
+
+
+@dataclass
+class StepRecord:
+    """What one step did (kept when ``log_steps``): the raw material of the timeline pictures.
+
+    ``work`` holds ``(slot, request_id, num_tokens, kind)`` with kind "prefill", "decode",
+    "pad" (static padding, in ``num_tokens`` extra tokens) or "idle" (a finished request's slot).
+    """
+
+    index: int
+    start: float
+    end: float
+    num_tokens: int
+    work: list[tuple[int, str, int, str]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Seed of sample ``index`` of a request seeded with ``seed`` (sample 0 uses ``seed``)."""
+    return seed if index == 0 else hash((seed, index)) & (2**63 - 1)
+
+
+class LLMEngine:
+    """Continuous (or static) batching over a paged KV cache, one :meth:`step` at a time."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        policy: str = "continuous",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        num_kv_blocks: int | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        use_cuda_graphs: bool | None = None,
+        seed: int = 0,
+        log_steps: bool = False,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        cfg = model.config
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        if num_kv_blocks is None:
+            num_kv_blocks = self._default_num_blocks(block_size, max_num_seqs,
+                                                     gpu_memory_utilization)
+        self.scheduler_config = SchedulerConfig(policy, max_num_seqs, max_num_batched_tokens,
+                                                enable_chunked_prefill)
+        self.kv = KVCacheManager(num_kv_blocks, block_size,
+                                 enable_prefix_caching and policy == "continuous")
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.max_model_len)
+        self.runner = ModelRunner(model, num_kv_blocks, block_size, max_num_seqs,
+                                  self.max_model_len, use_cuda_graphs)
+        gen = torch.Generator(device=model.device)
+        gen.manual_seed(seed)
+        self.sampler = Sampler(gen)
+        self.eos_ids = frozenset(stop_token_ids(model, tokenizer))
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_steps = 0
+        self.log_steps = log_steps
+        self.step_log: list[StepRecord] = []
+
+    def _default_num_blocks(self, block_size: int, max_num_seqs: int, util: float) -> int:
+        cfg, dtype_bytes = self.model.config, self.model.dtype.itemsize
+        if self.model.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.model.device).total_memory
+            plan = plan_memory(int(total * util), cfg, weight_dtype_bytes=dtype_bytes,
+                               kv_dtype_bytes=dtype_bytes, reserve_bytes=0)
+            free_now = torch.cuda.mem_get_info(self.model.device)[0]
+            per_block = plan.kv_bytes_per_token * block_size
+            return max(1, min(plan.num_blocks(block_size), int(free_now * util) // per_block))
+        per_block = kv_bytes_per_token(cfg, dtype_bytes) * block_size
+        everything = max_num_seqs * cdiv(self.max_model_len, block_size)
+        return max(1, min(everything, CPU_KV_BYTES // per_block))
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a prompt (text or token ids). Raises ``ValueError`` if it cannot ever run."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary of "
+                                 f"{self.model.config.vocab_size}")
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{len(ids) + params.max_tokens} tokens exceed the model's context of "
+                f"{self.max_model_len}"
+            )
+        need = cdiv(len(ids) + params.max_tokens, self.kv.block_size)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"this request may need {need} KV blocks but the pool has only "
+                             f"{self.kv.num_blocks}")
+        if self.scheduler.static and params.n > 1:
+            raise ValueError("the static baseline does not support n > 1")
+        stops = frozenset(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stops |= self.eos_ids
+        now = time.perf_counter()
+        request = Request(request_id, text, ids, params,
+                          now if arrival_time is None else arrival_time, stops)
+        request.forked = params.n == 1
+        request.seqs.append(self._new_seq(request, 0, list(ids)))
+        self.requests[request_id] = request
+        self.scheduler.add(request.seqs[0])
+
+    def _new_seq(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        params = request.params
+        seq = Sequence(next(self._seq_ids), request, index, token_ids,
+                       len(request.prompt_token_ids))
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.model.device)
+            seq.generator.manual_seed(sample_seed(params.seed, index))
+        if params.detokenize:
+            seq.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or already done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        live = [s for s in request.seqs if not s.is_finished]
+        self.scheduler.abort(request.seqs)
+        for seq in live:
+            seq.finish_reason = "abort"
+        request.finish_time = time.perf_counter()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_used=self.kv.num_used_blocks, num_kv_blocks_total=self.kv.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
+            num_steps=self.num_steps,
+        )
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; returns the requests that got new tokens."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        record = self._record(out, start) if self.log_steps else None
+        logits, sampled = self.runner.execute(out)
+        for seq, n in zip(out.seqs, out.num_new):
+            seq.num_computed += n
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = start
+        if self.kv.enable_prefix_caching:
+            for seq in out.seqs:
+                self.kv.commit(seq)
+        if any(not s.request.forked for s in sampled):
+            logits, sampled = self._fork(logits, sampled)
+        tokens = self.sampler(logits, [s.request.params for s in sampled],
+                              [s.generator for s in sampled]) if sampled else []
+        now = time.perf_counter()
+        finished = []
+        for seq, token in zip(sampled, tokens):
+            self._append(seq, token, now)
+            if seq.is_finished:
+                finished.append(seq)
+        self.scheduler.finish(finished)
+        self.num_steps += 1
+        outputs = []
+        for request in dict.fromkeys(s.request for s in sampled):
+            if request.is_finished:
+                request.finish_time = now
+                self.requests.pop(request.request_id, None)
+            outputs.append(self._output(request))
+        if record is not None:
+            record.end = now
+            self.step_log.append(record)
+        return outputs
+
+    def _fork(self, logits: torch.Tensor, sampled: list[Sequence]):
+        """Parallel samples: a request whose prompt was just prefilled becomes n sequences."""
+        rows, seqs = [], []
+        for i, seq in enumerate(sampled):
+            rows.append(i)
+            seqs.append(seq)
+            request = seq.request
+            if not request.forked:
+                children = [self._new_seq(request, k, list(seq.token_ids))
+                            for k in range(1, request.params.n)]
+                self.scheduler.add_forked(seq, children)
+                request.seqs += children
+                rows += [i] * len(children)
+                seqs += children
+        return logits[rows], seqs
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        request, params = seq.request, seq.request.params
+        seq.token_ids.append(token)
+        seq.token_times.append(now)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        searched = len(seq.text)
+        if seq.detokenizer is not None:
+            seq.text += seq.detokenizer.add(token)
+        if token in request.stop_ids:
+            self._finish(seq, "stop", None if token in self.eos_ids else token)
+        elif params.stop_strings and self._stop_string(seq, searched):
+            return
+        elif seq.num_output_tokens >= params.max_tokens:
+            self._finish(seq, "length", None)
+
+    def _stop_string(self, seq: Sequence, searched: int) -> bool:
+        """Find a stop string in the text added since ``searched``; trim it and finish."""
+        params = seq.request.params
+        start = max(0, searched - params.max_stop_len + 1)
+        hits = [(i, s) for s in params.stop_strings if (i := seq.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        seq.text = seq.text[:at]
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | None) -> None:
+        if seq.detokenizer is not None:
+            searched = len(seq.text)
+            seq.text += seq.detokenizer.flush()
+            if seq.request.params.stop_strings and self._stop_string(seq, searched):
+                return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            hold = 0 if seq.is_finished else max(0, seq.request.params.max_stop_len - 1)
+            safe = max(seq.emitted_text_len, len(seq.text) - hold)
+            delta_text = seq.text[seq.emitted_text_len : safe]
+            seq.emitted_text_len = safe
+            out_ids = seq.output_token_ids
+            delta_ids = out_ids[seq.emitted_tokens :]
+            seq.emitted_tokens = len(out_ids)
+            completions.append(CompletionOutput(
+                seq.index, seq.text[:safe], out_ids, seq.finish_reason, seq.stop_reason,
+                delta_text, delta_ids, list(seq.token_times), seq.num_preemptions,
+            ))
+        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
+                                 request.first_token_time, request.finish_time)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, request.is_finished, metrics)
+
+    def _record(self, out, start: float) -> StepRecord:
+        work = []
+        for seq, n in zip(out.seqs, out.num_new):
+            decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed == seq.num_tokens - 1
+            work.append((seq.slot, seq.request.request_id, n, "decode" if decode else "prefill"))
+        for seq, pad in zip(out.seqs, out.pad_tokens):
+            if pad:
+                work.append((seq.slot, seq.request.request_id, pad, "pad"))
+        for slot in out.idle_slots:
+            work.append((slot, "", 1, "idle"))
+        return StepRecord(
+            self.num_steps, start, start, out.num_tokens + sum(out.pad_tokens) + out.num_idle,
+            work, [s.request.request_id for s in out.preempted], self.scheduler.num_waiting,
+            self.kv.num_used_blocks,
+        )

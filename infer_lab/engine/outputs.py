@@ -1,0 +1,70 @@
+"""What the engine hands back: per request, its completions so far and its timings (vLLM names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. ``text``/``token_ids`` are everything so far; ``delta_*`` are
+    what this step added (what a streaming server sends)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # when each token was sampled
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps on the engine's clock (``time.perf_counter``) in seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to first sampled token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        """End-to-end latency: arrival to the last token."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. ``text``, ``token_ids`` and ``finish_reason`` are those
+    of the first completion, so that ``outs[0].text`` works as in DESIGN.md whatever ``n`` is."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

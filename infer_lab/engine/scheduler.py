@@ -1,0 +1,253 @@
+"""Who runs in the next step: static batching and continuous (iteration-level) batching.
+
+Both policies sit behind one interface, :meth:`Scheduler.schedule`, which returns the step's
+work: for each sequence, how many of its tokens to compute. The runner turns that into one
+flattened forward; the engine samples, then tells the scheduler what finished.
+
+- **static** (the baseline): when nothing runs, take up to ``max_num_seqs`` waiting requests,
+  reserve KV for each one's prompt plus ``max_tokens``, prefill them padded to the longest prompt,
+  and keep the batch until its last request finishes. Finished requests keep their slot: a padded
+  batch computes a row for them anyway, so the runner computes a filler row (``num_idle``).
+- **continuous** (Orca, vLLM): every step, first the running sequences (oldest first) get their
+  next tokens (1 for a decode, up to the rest of the prompt for a prefill in progress), then
+  waiting requests are admitted while batch slots, free KV blocks and the step's token budget
+  allow. A prompt longer than what is left of the budget is cut into chunks computed over several
+  steps, mixed with the decodes (chunked prefill). When a running sequence needs a block and none
+  is free, the newest running sequence is preempted: its blocks are freed and it goes back to the
+  front of the queue, to be recomputed later (its tokens are kept, so its output is unchanged).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from infer_lab.engine.kv_cache_manager import KVCacheManager
+from infer_lab.engine.sequence import Sequence, SequenceStatus
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one step. ``max_num_batched_tokens`` is the token budget of a step."""
+
+    policy: str = "continuous"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01  # fraction of blocks kept free when admitting (fewer preemptions)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: compute ``num_new[i]`` tokens of ``seqs[i]``, in this order."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    pad_tokens: list[int] = field(default_factory=list)  # static prefill: padding per row
+    num_idle: int = 0  # static decode: slots of finished requests, computed as filler
+    idle_slots: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+class Scheduler:
+    """The waiting queue, the running batch, and the policy that moves requests between them."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config, self.kv, self.max_model_len = config, kv, max_model_len
+        self.static = config.policy == "static"
+        self.budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill or self.static:
+            self.budget = max(self.budget, max_model_len)  # a whole prompt must fit in a step
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(config.max_num_seqs))
+        self._reserved_slots = 0  # promised to samples not yet forked (n > 1)
+        self._watermark = int(config.watermark * kv.num_blocks)
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queues
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self.running if not s.is_finished)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(not s.is_finished for s in self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._schedule_static() if self.static else self._schedule_continuous()
+        out.block_copies = self.kv.pending_copies
+        self.kv.pending_copies = []
+        return out
+
+    # ------------------------------------------------------------------ continuous
+    def _schedule_continuous(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        seqs, num_new = out.seqs, out.num_new
+        budget, kv, running = self.budget, self.kv, self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not kv.allocate_slots(seq, n):
+                victim = running.pop()  # the newest running sequence
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                seqs.append(seq)
+                num_new.append(n)
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out  # memory is short: admit nobody this step
+        waiting = self.waiting
+        while waiting and budget > 0:
+            seq = waiting[0]
+            request = seq.request
+            slots = 1 if request.forked else request.params.n
+            if slots > len(self._free_slots) - self._reserved_slots:
+                break
+            cached = kv.find_cached_prefix(seq) if seq.num_computed == 0 else []
+            n = seq.num_tokens - len(cached) * kv.block_size
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not kv.allocate_slots(seq, n, cached, reserve=self._watermark):
+                break
+            waiting.popleft()
+            seq.num_computed = len(cached) * kv.block_size
+            self._start(seq, slots)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+        return out
+
+    def _start(self, seq: Sequence, slots: int) -> None:
+        seq.status = SequenceStatus.RUNNING
+        seq.slot = heapq.heappop(self._free_slots)
+        seq.synced_blocks = 0
+        self._reserved_slots += slots - 1
+        self.running.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: drop the K/V, keep the tokens, queue at the front."""
+        self.kv.free(seq)
+        self._release_slot(seq)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            heapq.heappush(self._free_slots, seq.slot)
+            seq.slot = -1
+        if not seq.request.forked:
+            self._reserved_slots -= seq.request.params.n - 1
+
+    # ------------------------------------------------------------------ static
+    def _schedule_static(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not self.running:
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                whole = seq.request.params.max_tokens + seq.num_tokens - seq.num_output_tokens
+                if not self.kv.allocate_slots(seq, whole):
+                    break
+                self.waiting.popleft()
+                self._start(seq, 1)
+            if not self.running:
+                return out
+            longest = max(s.num_tokens for s in self.running)
+            for seq in self.running:
+                out.seqs.append(seq)
+                out.num_new.append(seq.num_tokens)
+                out.pad_tokens.append(longest - seq.num_tokens)
+            return out
+        for seq in self.running:
+            if seq.is_finished:
+                out.num_idle += 1
+                out.idle_slots.append(seq.slot)
+            else:
+                out.seqs.append(seq)
+                out.num_new.append(1)
+        return out
+
+    # ------------------------------------------------------------------ after a step
+    def add_forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Parallel samples: ``children`` share ``parent``'s blocks and take reserved slots."""
+        parent.request.forked = True
+        self._reserved_slots -= len(children)
+        at = self.running.index(parent) + 1
+        for child in children:
+            self.kv.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            child.slot = heapq.heappop(self._free_slots)
+        self.running[at:at] = children
+
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Retire finished sequences: at once (continuous) or with their batch (static)."""
+        if self.static:
+            if self.running and all(s.is_finished for s in self.running):
+                self._end_static_batch()
+            return
+        for seq in seqs:
+            self.kv.free(seq)
+            self._release_slot(seq)
+        self.running = [s for s in self.running if not s.is_finished]
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop ``seqs`` wherever they are; their blocks go back to the pool now."""
+        gone = set(map(id, seqs))
+        for seq in seqs:
+            if seq.slot >= 0:
+                self.kv.free(seq)
+                heapq.heappush(self._free_slots, seq.slot)
+                seq.slot = -1
+                if not seq.request.forked:
+                    self._reserved_slots -= seq.request.params.n - 1
+            else:
+                self.kv.free(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        self.running = [s for s in self.running if id(s) not in gone]
+        if self.static and self.running and all(s.is_finished for s in self.running):
+            self._end_static_batch()
+
+    def _end_static_batch(self) -> None:
+        """The last request of a static batch is done: now its memory and slots come back."""
+        for seq in self.running:
+            self.kv.free(seq)
+            heapq.heappush(self._free_slots, seq.slot)
+            seq.slot = -1
+        self.running = []

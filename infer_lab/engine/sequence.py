@@ -1,0 +1,98 @@
+"""Request and sequence state: what the scheduler moves between queues and the runner reads.
+
+A :class:`Request` is what a user sent (one prompt, one :class:`SamplingParams`); it owns ``n``
+:class:`Sequence` objects, one per parallel sample. Until its prompt is prefilled a request has a
+single sequence; the others are forked from it then, sharing the prompt's KV blocks.
+
+A sequence's tokens are its prompt plus what it generated. ``num_computed`` of them have K/V in
+the cache; the rest (a prompt not yet prefilled, or the last sampled token) are what the next
+steps compute. Preemption by recompute just sets ``num_computed`` back to 0: the tokens stay, so
+the resumed sequence continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from infer_lab.engine.sampling_params import SamplingParams
+from infer_lab.model.tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One stream of tokens (one sample of a request) and its place in the KV cache."""
+
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # full blocks already registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)
+    shared_tail: bool = False  # the last block may be shared (after a fork): copy before writing
+    slot: int = -1  # batch slot (row of the runner's block table) while running
+    synced_blocks: int = 0  # block-table entries already written to the runner's row
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""
+    emitted_text_len: int = 0  # characters already handed out in step deltas
+    emitted_tokens: int = 0  # tokens already handed out in step deltas
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while tokens other than the last sampled one still lack K/V (a prompt, or a
+        recompute after preemption)."""
+        return self.num_tokens - self.num_computed > 1 or self.num_output_tokens == 0
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and its sampling settings, with its samples and its timings."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    stop_ids: frozenset[int]
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # the n samples exist (n == 1: from the start)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.forked and all(s.is_finished for s in self.seqs)

@@ -1,0 +1,177 @@
+"""Triton paged attention (decode, split-K decode, chunked prefill) and the K/V store, run through
+Triton's interpreter on CPU against ``paged_attention_ref`` evaluated in fp64.
+
+Inputs are fresh random numbers every run (the seed is in every failure message); the shapes are
+the awkward ones: single tokens, lengths that are not multiples of the page or tile size, chunks
+that start mid-sequence, pages of 3 and 16 tokens, GQA ratios 1, 4 and 8.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from infer_lab import kernels
+from infer_lab.cache import build_paged_batch, paged_attention_ref
+
+pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # relative to max |ref|
+RATIOS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (8, 1)}
+HEAD_DIM = 16
+
+
+def fresh_seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+def triton_attn():
+    return kernels.triton_module("triton_attention")
+
+
+def paged_problem(chunks, hq, hkv, block_size, dtype, seed, num_blocks=48):
+    """Random q and a random cache holding each sequence's context in randomly placed pages.
+
+    ``chunks`` are ``(context_len, q_len)``: the query chunk is the last q_len positions.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, block_size, hkv, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, HEAD_DIM, generator=gen).to(dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    spec = []
+    for ctx_len, q_len in chunks:
+        table = [free.pop() for _ in range(-(-ctx_len // block_size))]
+        spec.append(([0] * q_len, ctx_len - q_len, table))
+    batch = build_paged_batch(spec, block_size, num_blocks)
+    q = torch.randn(batch.num_tokens, hq, HEAD_DIM, generator=gen).to(dtype)
+    return q, k_cache, v_cache, batch
+
+
+def reference64(q, k_cache, v_cache, batch, window=None):
+    return paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), batch.block_tables,
+                               batch.context_lens, batch.cu_seqlens_q, window=window)
+
+
+def assert_close(out, ref, dtype, seed, what):
+    assert out.dtype == dtype and out.shape == ref.shape
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]:.0e} (seed {seed})"
+
+
+DECODE_LENS = [1, 5, 16, 17, 40, 33]  # one token per sequence: (len, 1)
+
+
+@pytest.mark.parametrize("split", [0, 16], ids=["one-pass", "split-k"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("heads", RATIOS.values(), ids=RATIOS.keys())
+def test_decode_attention(heads, dtype, split):
+    seed = fresh_seed()
+    q, kc, vc, batch = paged_problem([(n, 1) for n in DECODE_LENS], *heads, 16, dtype, seed)
+    out = triton_attn().paged_decode_attention_triton(
+        q, kc, vc, batch.block_tables, batch.context_lens, partition_size=split)
+    assert_close(out, reference64(q, kc, vc, batch), dtype, seed, "decode")
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_split_k_odd_pages_and_window(window):
+    """Pages of 3 tokens, so tiles straddle pages; partitions of 32 with 16-token tiles."""
+    seed = fresh_seed()
+    q, kc, vc, batch = paged_problem([(n, 1) for n in [2, 31, 64, 70]], 8, 2, 3, torch.float32,
+                                     seed, num_blocks=96)
+    out = triton_attn().paged_decode_attention_triton(
+        q, kc, vc, batch.block_tables, batch.context_lens, window=window, partition_size=32)
+    assert_close(out, reference64(q, kc, vc, batch, window), torch.float32, seed, "split-k")
+
+
+# (context length after the step, query chunk length): a whole prompt, one token, chunks starting
+# mid-sequence (a cached prefix), a chunk longer than a tile, lengths off the page size.
+PREFILL_CHUNKS = [(7, 7), (1, 1), (33, 5), (40, 23), (21, 1), (16, 16), (50, 17)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("heads", RATIOS.values(), ids=RATIOS.keys())
+def test_prefill_attention(heads, dtype):
+    seed = fresh_seed()
+    q, kc, vc, batch = paged_problem(PREFILL_CHUNKS, *heads, 16, dtype, seed)
+    out = triton_attn().paged_prefill_attention_triton(
+        q, kc, vc, batch.block_tables, batch.context_lens, batch.cu_seqlens_q)
+    assert_close(out, reference64(q, kc, vc, batch), dtype, seed, "prefill")
+
+
+def test_prefill_sliding_window_odd_pages():
+    seed = fresh_seed()
+    q, kc, vc, batch = paged_problem(PREFILL_CHUNKS, 8, 2, 3, torch.float32, seed, 96)
+    out = triton_attn().paged_prefill_attention_triton(
+        q, kc, vc, batch.block_tables, batch.context_lens, batch.cu_seqlens_q, window=5)
+    assert_close(out, reference64(q, kc, vc, batch, 5), torch.float32, seed, "window")
+
+
+def test_bf16_upcasts_in_the_interpreter():
+    """bf16 ``tl.dot`` is wrong in the interpreter (DESIGN.md); the kernels upcast there."""
+    seed = fresh_seed()
+    dtype = torch.bfloat16
+    q, kc, vc, batch = paged_problem(PREFILL_CHUNKS[:4], 8, 2, 16, dtype, seed)
+    out = kernels.paged_attention_triton(q, kc, vc, batch.block_tables, batch.context_lens,
+                                         batch.cu_seqlens_q)
+    assert_close(out, reference64(q, kc, vc, batch), dtype, seed, "bf16 prefill")
+    q, kc, vc, batch = paged_problem([(n, 1) for n in DECODE_LENS], 8, 2, 16, dtype, seed)
+    out = kernels.paged_attention_triton(q, kc, vc, batch.block_tables, batch.context_lens,
+                                         batch.cu_seqlens_q)
+    assert_close(out, reference64(q, kc, vc, batch), dtype, seed, "bf16 decode")
+
+
+def test_dispatch_picks_decode_or_prefill():
+    """``paged_attention_triton`` takes any flattened batch: all-decode, or mixed."""
+    seed = fresh_seed()
+    mixed = [(9, 1), (30, 12), (17, 1)]
+    q, kc, vc, batch = paged_problem(mixed, 8, 2, 16, torch.float32, seed)
+    out = kernels.paged_attention_triton(q, kc, vc, batch.block_tables, batch.context_lens,
+                                         batch.cu_seqlens_q)
+    assert_close(out, reference64(q, kc, vc, batch), torch.float32, seed, "mixed batch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_store_kv_through_slot_mapping(dtype):
+    """k/v as strided views of a fused qkv projection; slot -1 (padding) writes nothing."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    t, hkv, d, blocks, bs = 11, 2, HEAD_DIM, 8, 4
+    qkv = torch.randn(t, (4 + 2 * hkv) * d, generator=gen).to(dtype)
+    _, k, v = qkv.split([4 * d, hkv * d, hkv * d], -1)
+    k, v = k.unflatten(-1, (hkv, d)), v.unflatten(-1, (hkv, d))
+    slots = torch.randperm(blocks * bs, generator=gen)[:t]
+    slots[3] = -1
+    caches = [torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    keep = slots >= 0
+    kernels.reference.store_kv_ref(k[keep], v[keep], *expected, slots[keep])
+    kernels.store_kv(k, v, *caches, slots, backend="triton")
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1]), seed
+
+
+def test_context_backend_keyword_and_default():
+    """``PagedAttentionContext(cache, batch)`` still works; ``backend=`` forces a kernel set."""
+    from infer_lab.cache import PagedAttentionContext, PagedKVCache
+    from infer_lab.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(dict(
+        model_type="llama", vocab_size=32, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64))
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch = build_paged_batch([([0] * 5, 0, [2]), ([0] * 3, 0, [0])], 16, 4)
+    outs = []
+    for backend in (None, "torch", "triton"):
+        cache = PagedKVCache(cfg, 4, 16)
+        ctx = PagedAttentionContext(cache, batch) if backend is None else \
+            PagedAttentionContext(cache, batch, backend=backend)
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(8, h, 8, generator=g) for h in (4, 2, 2))
+        outs.append((ctx.attend(0, q, k, v, None), cache.kv.clone()))
+    del gen
+    for out, kv in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(kv, outs[0][1])
