@@ -12,10 +12,13 @@ export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: help install test lint unit pairing notebooks book-check book generate clean
+.PHONY: help install test lint unit pairing notebooks book-check book generate serve clean
+HOST ?= 127.0.0.1
+PORT ?= 8000
 PROMPT ?= And God said,
 
 help:
+	@echo "make serve  - set up .venv, then serve the bundled model on http://$(HOST):$(PORT)/v1"
 	@echo "make test   - set up .venv, then ruff, unit tests, notebook pairing, nbval, book structure"
 	@echo "make book   - set up .venv, then build the book with every chapter executed (_build/html)"
 	@echo "make generate [PROMPT='...'] - set up .venv, then stream a continuation from the bundled model"
@@ -70,6 +73,9 @@ test: $(STAMP)
 
 generate: $(STAMP)
 	$(BIN)/infer-lab generate "$(PROMPT)" --max-tokens 64
+
+serve: $(STAMP)
+	$(BIN)/infer-lab serve --host $(HOST) --port $(PORT)
 
 clean:
 	rm -rf _build .pytest_cache

@@ -27,6 +27,29 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from infer_lab.serve.server import make_app, serve
+
+    engine_args = dict(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len, policy=args.policy,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+    )
+    app = make_app(
+        args.model, served_model_name=args.served_model_name, device=args.device,
+        dtype=args.dtype, api_key=args.api_key or os.environ.get("INFER_LAB_API_KEY"),
+        max_body_bytes=args.max_body_bytes, **engine_args,
+    )
+    print(f"infer-lab: serving on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
+          file=sys.stderr)
+    serve(app, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer-lab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,6 +63,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
     gen.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: by device)")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    srv.add_argument("--model", default=None, help="checkpoint directory or hub id "
+                     "(default: the bundled model)")
+    srv.add_argument("--served-model-name", default=None, help="the name clients ask for")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
+    srv.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: by device)")
+    srv.add_argument("--max-num-seqs", type=int, default=64, help="most running sequences")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                     help="token budget of one step (prefill chunks + decodes)")
+    srv.add_argument("--max-model-len", type=int, default=None)
+    kv = srv.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=int, default=None)
+    kv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    srv.add_argument("--policy", choices=["continuous", "static"], default="continuous")
+    srv.add_argument("--no-prefix-caching", action="store_true")
+    srv.add_argument("--no-chunked-prefill", action="store_true")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (or set INFER_LAB_API_KEY)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.set_defaults(func=_serve)
     return parser
 
 
