@@ -2,10 +2,11 @@
 
 Both run the same weights: the bundled model, and a larger random-weight Llama-shaped model whose
 weights do not fit in CPU caches. transformers runs ``generate(use_cache=False)``; we run
-``il.generate_naive``. Each measurement generates a few tokens from a prompt of the given length
-and reports the median of the time per token over repeats.
+``il.generate_naive``'s loop (``stream_naive``: the same greedy steps, without detokenizing).
+Each measurement generates a few tokens from a prompt of the given length and reports the median
+of the time per token over repeats.
 
-    python benchmarks/naive_decode.py [--lengths 64 128 256 512] [--tokens 8] [--out DIR]
+    python -m benchmarks.naive_decode [--lengths 64 128 256 512] [--tokens 8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import infer_lab as il
 from benchmarks._common import print_table, provenance, write_results
+from infer_lab.model.generate import stream_naive
 from infer_lab.model.loader import BUNDLED_MODEL_DIR
 
 
@@ -53,7 +55,7 @@ def per_token_seconds(fn, tokens: int, repeats: int) -> float:
 @torch.inference_mode()
 def run(path: Path, name: str, lengths: list[int], tokens: int, repeats: int, device: str,
         dtype: torch.dtype) -> list[dict]:
-    ours, tok = il.load(path, device=device, dtype=dtype)
+    ours = il.load_model(path, device=device, dtype=dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     hf.generation_config.eos_token_id = None
     vocab = ours.config.vocab_size
@@ -63,8 +65,8 @@ def run(path: Path, name: str, lengths: list[int], tokens: int, repeats: int, de
         prompt = ids[0].tolist()
         ids = ids.to(device)
 
-        def ours_fn(prompt=prompt):
-            return il.generate_naive(ours, tok, prompt, max_tokens=tokens, ignore_eos=True)
+        def ours_fn(prompt=prompt):  # generate_naive's loop, without detokenizing
+            return list(stream_naive(ours, prompt, tokens, stops=set()))
 
         def hf_fn(ids=ids):
             return hf.generate(ids, max_new_tokens=tokens, do_sample=False, use_cache=False,
