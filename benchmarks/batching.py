@@ -76,7 +76,8 @@ def cpu_cost_per_step(model, tok, num_seqs: int = 256, steps: int = 200) -> dict
     vocab = model.config.vocab_size
     engine = il.engine.LLMEngine(model, tok, max_num_seqs=num_seqs, max_num_batched_tokens=8192,
                                  num_kv_blocks=num_seqs * 40, enable_prefix_caching=False)
-    engine.runner.forward = lambda ids, pos, ctx: torch.zeros(len(ctx.logits_indices), vocab)
+    logits = torch.zeros(num_seqs, vocab)  # allocated once: the no-op must cost nothing
+    engine.runner.forward = lambda ids, pos, ctx: logits[: len(ctx.logits_indices)]
     rng = np.random.default_rng(0)
     for i in range(num_seqs):
         engine.add_request(str(i), rng.integers(3, vocab, 32 + i % 64).tolist(),

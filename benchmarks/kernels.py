@@ -136,12 +136,10 @@ def run(gpu: bool, dtype: torch.dtype) -> tuple[list[dict[str, Any]], float]:
         k_contig = torch.randn(batch, hkv, context, d, dtype=dtype, device=dev)
         ceiling = (lambda q=q, k=k_contig: F.scaled_dot_product_attention(
             q[:, :, None], k, k, enable_gqa=True))
-        for name, part in (("decode(one-pass)", 0), ("decode(split-k)", None if gpu else 16)):
+        for name, splits in (("decode(one-pass)", 1), ("decode(split-k)", None if gpu else 3)):
             add(name, f"B={batch} ctx={context}", nbytes,
-                lambda q=q, kc=kc, vc=vc, pb=pb, part=part, n=context:
-                    mod.paged_decode_attention_triton(
-                        q, kc, vc, pb.block_tables, pb.context_lens, partition_size=part,
-                        max_context=n),
+                lambda q=q, kc=kc, vc=vc, pb=pb, splits=splits: mod.paged_decode_attention_triton(
+                    q, kc, vc, pb.block_tables, pb.context_lens, num_splits=splits),
                 lambda q=q, kc=kc, vc=vc, pb=pb, n=context: eager_paged_decode(q, kc, vc, pb, n),
                 ceiling=ceiling)
         del q, kc, vc, pb, k_contig

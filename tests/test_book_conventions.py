@@ -10,7 +10,19 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("*.md"))
 REPO = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"].rstrip("/")
-TOC = (ROOT / "_toc.yml").read_text()
+
+
+def _toc_files(node) -> list[str]:  # noqa: ANN001
+    """Every ``file:`` entry of _toc.yml (comments are not entries)."""
+    if isinstance(node, dict):
+        found = [node["file"]] if "file" in node else []
+        return found + [f for v in node.values() for f in _toc_files(v)]
+    if isinstance(node, list):
+        return [f for v in node for f in _toc_files(v)]
+    return []
+
+
+TOC = set(_toc_files(yaml.safe_load((ROOT / "_toc.yml").read_text())))
 
 
 def test_there_are_chapters():
@@ -37,6 +49,11 @@ def test_chapter_bones():
         for heading in ("## Summary", "## Exercises", "## References"):
             assert heading in text, f"{name}: no '{heading}'"
         assert f"chapters/{name}" in TOC, f"{name}: not in _toc.yml"
+
+
+def test_toc_lists_only_files_that_exist():
+    for entry in TOC:
+        assert (ROOT / f"{entry}.md").is_file(), f"_toc.yml lists {entry}, which does not exist"
 
 
 def test_notebooks_are_committed_without_outputs():

@@ -63,25 +63,27 @@ def assert_close(out, ref, dtype, seed, what):
 DECODE_LENS = [1, 5, 16, 17, 40, 33]  # one token per sequence: (len, 1)
 
 
-@pytest.mark.parametrize("split", [0, 16], ids=["one-pass", "split-k"])
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("heads", RATIOS.values(), ids=RATIOS.keys())
-def test_decode_attention(heads, dtype, split):
+def test_decode_attention(heads, dtype, splits):
     seed = fresh_seed()
     q, kc, vc, batch = paged_problem([(n, 1) for n in DECODE_LENS], *heads, 16, dtype, seed)
     out = triton_attn().paged_decode_attention_triton(
-        q, kc, vc, batch.block_tables, batch.context_lens, partition_size=split)
+        q, kc, vc, batch.block_tables, batch.context_lens, num_splits=splits)
     assert_close(out, reference64(q, kc, vc, batch), dtype, seed, "decode")
 
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_split_k_odd_pages_and_window(window):
-    """Pages of 3 tokens, so tiles straddle pages; partitions of 32 with 16-token tiles."""
+    """Pages of 3 tokens, so tiles straddle pages; 4 partitions of >= 32 positions, more partitions
+    than a short context can fill (empty ones must weigh nothing in the reduction)."""
     seed = fresh_seed()
     q, kc, vc, batch = paged_problem([(n, 1) for n in [2, 31, 64, 70]], 8, 2, 3, torch.float32,
                                      seed, num_blocks=96)
     out = triton_attn().paged_decode_attention_triton(
-        q, kc, vc, batch.block_tables, batch.context_lens, window=window, partition_size=32)
+        q, kc, vc, batch.block_tables, batch.context_lens, window=window, num_splits=4,
+        min_split_tokens=32)
     assert_close(out, reference64(q, kc, vc, batch, window), torch.float32, seed, "split-k")
 
 

@@ -67,13 +67,13 @@ def paged(chunks, dtype, hq=32, hkv=8, d=128, block_size=16):
 
 
 @DTYPES
-@pytest.mark.parametrize("partition", [0, 512, None], ids=["one-pass", "split-512", "auto"])
-def test_decode_attention_on_gpu(dtype, partition):
+@pytest.mark.parametrize("splits", [1, 8, None], ids=["one-pass", "split-8", "auto"])
+def test_decode_attention_on_gpu(dtype, splits):
     torch.manual_seed(1)
     mod = kernels.triton_module("triton_attention")
     q, kc, vc, batch, ref = paged([(n, 1) for n in (1, 17, 300, 2049, 4000)], dtype)
     out = mod.paged_decode_attention_triton(q, kc, vc, batch.block_tables, batch.context_lens,
-                                            partition_size=partition)
+                                            num_splits=splits)
     check(out, ref, dtype, "decode")
 
 

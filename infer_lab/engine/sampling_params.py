@@ -37,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     detokenize: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
+    max_stop_len: int = field(init=False, repr=False)  # text a stream holds back
 
     def __post_init__(self) -> None:
         def integer(name: str, value: object) -> int:
@@ -65,6 +66,7 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         self.stop_strings = tuple(stops)
+        self.max_stop_len = max((len(s) for s in stops), default=0)
         ids = list(self.stop_token_ids or [])
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
@@ -74,8 +76,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    @property
-    def max_stop_len(self) -> int:
-        """Longest stop string: how much text a stream must hold back before emitting it."""
-        return max((len(s) for s in self.stop_strings), default=0)

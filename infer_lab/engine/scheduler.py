@@ -110,12 +110,13 @@ class Scheduler:
     def _schedule_continuous(self) -> SchedulerOutput:
         out = SchedulerOutput()
         seqs, num_new = out.seqs, out.num_new
-        budget, kv, running = self.budget, self.kv, self.running
+        budget, kv, running, bs = self.budget, self.kv, self.running, self.kv.block_size
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            while not kv.allocate_slots(seq, n):
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            room = seq.num_computed + n <= len(seq.block_table) * bs and not seq.shared_tail
+            while not room and not kv.allocate_slots(seq, n):
                 victim = running.pop()  # the newest running sequence
                 self._preempt(victim)
                 out.preempted.append(victim)

@@ -95,4 +95,6 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        if len(self.seqs) == 1:
+            return self.forked and self.seqs[0].status is SequenceStatus.FINISHED
         return self.forked and all(s.is_finished for s in self.seqs)

@@ -106,7 +106,7 @@ def _online_softmax_step(s, v, m, l_sum, acc, UPCAST: tl.constexpr, PRECISION: t
 @triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, table_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    scale_log2, window, group, head_dim, tiles_per_part,
+    scale_log2, window, group, head_dim, min_tiles,
     q_stride_t, q_stride_h, c_stride_blk, c_stride_slot, c_stride_h, table_stride,
     o_stride_t, o_stride_h, max_parts,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -129,9 +129,10 @@ def _decode_kernel(
         lo = tl.maximum(ctx_len - window, 0)  # the query at ctx_len-1 sees the last `window`
     tile_lo = lo // BLOCK_N
     tile_hi = tl.cdiv(ctx_len, BLOCK_N)
-    if SPLIT:  # this program's partition of the context only
-        tile_lo = tl.maximum(tile_lo, part * tiles_per_part)
-        tile_hi = tl.minimum(tile_hi, (part + 1) * tiles_per_part)
+    if SPLIT:  # this program's partition of the context only: computed here, from the length
+        per_part = tl.maximum(tl.cdiv(tl.cdiv(ctx_len, BLOCK_N), max_parts), min_tiles)
+        tile_lo = tl.maximum(tile_lo, part * per_part)
+        tile_hi = tl.minimum(tile_hi, (part + 1) * per_part)
     q = q.to(tl.float32) if UPCAST else q.to(kc_ptr.dtype.element_ty)
     m = tl.full([BLOCK_H], NEG_BIG, tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
@@ -203,27 +204,29 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def auto_partition(num_seqs: int, kv_heads: int, max_context: int, block_n: int) -> int:
-    """Split-K only when the grid would leave the GPU's SMs idle and the context is long."""
-    if interpreting() or num_seqs * kv_heads >= 2 * _num_sms(torch.cuda.current_device()):
-        return 0
-    if max_context <= 4 * block_n:
-        return 0
+def auto_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
+    """How many partitions per context: enough for ~4 programs per SM when the grid of
+    (sequence, KV head) alone would leave SMs idle, else 1. Decided from shapes only."""
+    if interpreting():
+        return 1
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     programs = num_seqs * kv_heads
-    parts = triton.cdiv(4 * _num_sms(torch.cuda.current_device()), programs)  # ~4 per SM
-    size = triton.cdiv(triton.cdiv(max_context, parts), block_n) * block_n
-    return max(size, 4 * block_n)
+    return 1 if programs >= 2 * sms else min(64, triton.cdiv(4 * sms, programs))
 
 
 def paged_decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float | None = None, window: int | None = None, *,
-    partition_size: int | None = None, max_context: int | None = None, block_n: int | None = None,
+    num_splits: int | None = None, min_split_tokens: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (``q`` ``[B, Hq, D]``) over its paged context.
 
-    ``partition_size`` > 0 splits each context into partitions of that many positions that run in
-    parallel (flash-decoding) and are then reduced; 0 never splits; None decides by grid size.
+    ``num_splits`` > 1 cuts each context into that many partitions, of at least
+    ``min_split_tokens`` positions each, that run in parallel (flash-decoding) and are then
+    reduced; 1 never splits; None decides from the grid size. The partitions are computed inside
+    the kernel from each sequence's length, so nothing here reads ``context_lens`` on the host:
+    no synchronisation, and the launch can be captured in a CUDA graph and replayed at any length.
     """
     _check_cache(k_cache, v_cache)
     b, hq, d = q.shape
@@ -240,26 +243,22 @@ def paged_decode_attention_triton(
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if partition_size is None and (interpreting() or b * hkv >= 2 * _num_sms(q.device.index or 0)):
-        partition_size = 0  # a full grid already: decided without reading context_lens
-    if partition_size is None or partition_size > 0:
-        if max_context is None:
-            max_context = int(context_lens.max())  # a host sync; callers that know it pass it
-        if partition_size is None:
-            partition_size = auto_partition(b, hkv, max_context, block_n)
-    split = bool(partition_size)
+    parts = auto_splits(b, hkv, q.device) if num_splits is None else num_splits
+    if parts < 1:
+        raise ValueError(f"num_splits must be at least 1, got {parts}")
+    if min_split_tokens is None:
+        min_split_tokens = block_n if interpreting() else 4 * block_n
+    min_tiles = max(1, triton.cdiv(min_split_tokens, block_n))
+    split = parts > 1
     if split:
-        tiles_per_part = triton.cdiv(partition_size, block_n)
-        parts = triton.cdiv(max_context, tiles_per_part * block_n)
         part_acc = torch.empty(b, hq, parts, block_d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(b, hq, parts, 2, dtype=torch.float32, device=q.device)
     else:
-        tiles_per_part, parts = 0, 1
         part_acc = part_ml = out  # unused
     upcast = interpreting() and k_cache.dtype == torch.bfloat16  # bf16 tl.dot is wrong there
     _decode_kernel[(b, hkv, parts)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
-        scale * LOG2E, window or 0, group, d, tiles_per_part,
+        scale * LOG2E, window or 0, group, d, min_tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), parts,
         PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split,
