@@ -8,22 +8,22 @@ from collections.abc import Sequence
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from infer_lab.model.generate import encode_prompt, stop_token_ids, stream_naive
+    from infer_lab.engine import LLMEngine, SamplingParams
     from infer_lab.model.loader import load
 
     model, tok = load(args.model, device=args.device, dtype=args.dtype)
-    prompt_ids = encode_prompt(tok, args.prompt, model.config.max_position_embeddings)
-    stops = stop_token_ids(model, tok)
-    detok = tok.detokenizer(prompt_ids)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    engine = LLMEngine(model, tok, max_num_seqs=1)
+    engine.add_request("cli", args.prompt, params)
     out = sys.stdout
     out.write(args.prompt)
     out.flush()
-    for token in stream_naive(
-        model, prompt_ids, args.max_tokens, stops, args.temperature, args.seed
-    ):
-        out.write(detok.add(token))
-        out.flush()
-    out.write(detok.flush() + "\n")
+    while engine.has_unfinished_requests():
+        for request in engine.step():
+            out.write(request.outputs[0].delta_text)
+            out.flush()
+    out.write("\n")
     return 0
 
 
