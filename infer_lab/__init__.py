@@ -4,6 +4,7 @@
 server stack (FastAPI, uvicorn): a GPU box with only torch and triton runs chapters 1-5.
 """
 
+from infer_lab.cache import kv_cache_bytes, model_kv_cache_bytes
 from infer_lab.engine import LLM, RequestOutput, SamplingParams
 from infer_lab.model import (
     CheckpointError,
@@ -31,6 +32,8 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "generate_naive",
+    "kv_cache_bytes",
     "load",
     "load_model",
+    "model_kv_cache_bytes",
 ]
