@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer KEY' (or set INFER_LAB_API_KEY)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
     srv.set_defaults(func=_serve)
+
+    from infer_lab.measure.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
