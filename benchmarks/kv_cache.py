@@ -10,9 +10,12 @@
    timed step, as a runner would build it alongside the previous step; its cost is reported apart.
 
 The two timings of each pair are interleaved, repeat by repeat, so that a noisy neighbour slows
-both alike, and medians are reported. Ratios are what to quote; absolute times count on a GPU.
+both alike, and medians are reported. On CPU it runs one torch thread unless told otherwise
+(``--threads``): small decode steps on several threads are at the mercy of anything else
+running. Ratios are what to quote; absolute times count on a GPU.
 
-    python -m benchmarks.kv_cache [--tokens 512] [--batches 1 8 32] [--context 256] [--out DIR]
+    python -m benchmarks.kv_cache [--tokens 512] [--batches 1 8 32] [--context 256] [--threads N]
+                                  [--out DIR]
 """
 
 from __future__ import annotations
@@ -107,14 +110,15 @@ def paged_vs_contiguous(model: Transformer, batch: int, context: int, block_size
     blocks_each = -(-(context + 1) // block_size)
     num_blocks = 2 * batch * blocks_each
     mgr = BlockManager(num_blocks, block_size)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    mgr.pool._free.clear()
-    mgr.pool._free.extend(order)
+    for d in range(num_blocks):  # take every block, give them back in a random order
+        mgr.allocate_sequence(("dummy", d), 1)
+    for d in torch.randperm(num_blocks, generator=gen).tolist():
+        mgr.free_sequence(("dummy", d))
     for s in range(batch):
         mgr.allocate_sequence(s, context + 1)
     paged = PagedKVCache(cfg, num_blocks, block_size, device, dtype)
     for i in range(cfg.num_hidden_layers):  # same (random) cache contents in both layouts
-        contiguous.k[i].normal_(generator=None)
+        contiguous.k[i].normal_()
         contiguous.v[i].normal_()
         for s in range(batch):
             slots = torch.tensor(mgr.slot_mapping(s, 0, context + 1), device=device)
@@ -155,9 +159,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (0: torch's choice). Default 1: a cached step is "
+                             "many tiny ops, and on a CPU shared with other work several threads "
+                             "wait on each other, slowing it up to 100x")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads and device == "cpu":
+        torch.set_num_threads(args.threads)
     model, tok = il.load(device=device)  # fp32 on CPU, the device's default dtype elsewhere
     torch.manual_seed(0)
 

@@ -84,6 +84,36 @@ def test_paged_attention_ref_equals_dense_causal(window, heads, block_size):
         torch.testing.assert_close(rows, by_hand, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
+def test_batched_torch_backend_equals_the_reference(window, heads):
+    """The context's batched path (one gather, one SDPA per layer) against the per-sequence ref."""
+    from infer_lab.model.config import ModelConfig
+
+    hq, hkv = heads
+    d, block_size, num_blocks = 16, 4, 64
+    gen = torch.Generator().manual_seed(hq + 10 * hkv + (window or 0))
+    seqs = [(torch.randn(q_len, hq, d, generator=gen), torch.randn(n, hkv, d, generator=gen),
+             torch.randn(n, hkv, d, generator=gen)) for n, q_len in CASES]
+    batch, k_cache, v_cache = scatter_into_pages(seqs, block_size, num_blocks, gen)
+    cfg = ModelConfig.from_dict(dict(
+        model_type="llama", vocab_size=8, hidden_size=hq * d, intermediate_size=8,
+        num_hidden_layers=1, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
+    ))
+    cache = PagedKVCache(cfg, num_blocks, block_size)
+    cache.k_caches[0].copy_(k_cache)
+    cache.v_caches[0].copy_(v_cache)
+    q = torch.cat([s[0] for s in seqs])
+    # the new tokens' K/V are re-written through the slot mapping: give the values already there
+    slots = batch.slot_mapping
+    k_new = k_cache.view(-1, hkv, d)[slots].clone()
+    v_new = v_cache.view(-1, hkv, d)[slots].clone()
+    out = PagedAttentionContext(cache, batch, backend="torch").attend(0, q, k_new, v_new, window)
+    ref = paged_attention_ref(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                              batch.cu_seqlens_q, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_batch_layout():
     # Sequence 0: 3 cached + 2 new tokens; sequence 1: a 6-token prompt; block size 4.
     batch = build_paged_batch([([7, 8], 3, [5, 2]), ([1, 2, 3, 4, 5, 6], 0, [0, 3, 9])], 4, 10)

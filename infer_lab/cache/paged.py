@@ -208,7 +208,10 @@ class PagedAttentionContext:
     """The model's attention backend for one :class:`PagedBatch` over a :class:`PagedKVCache`.
 
     ``backend`` picks the kernels as :mod:`infer_lab.kernels` does (None: the global setting,
-    which is Triton on CUDA and torch elsewhere); ``"torch"`` is :func:`paged_attention_ref`.
+    which is Triton on CUDA and torch elsewhere). The torch path computes the same thing as
+    :func:`paged_attention_ref` but batched: what depends only on the step (padded query rows,
+    positions, the mask) is built once and shared by every layer, and each layer does one gather
+    through the block tables and one attention call instead of a Python loop over sequences.
     """
 
     def __init__(self, cache: PagedKVCache, batch: PagedBatch, *, backend: str | None = None
@@ -218,6 +221,8 @@ class PagedAttentionContext:
                              f"{cache.block_size}")
         self.cache, self.batch, self.backend = cache, batch, backend
         self.logits_indices = batch.logits_indices
+        self._step: tuple[torch.Tensor, ...] | None = None
+        self._masks: dict[int | None, torch.Tensor] = {}
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
@@ -226,8 +231,47 @@ class PagedAttentionContext:
         b = self.batch
         backend = kernels.resolve_backend(self.backend, q)
         kernels.store_kv(k, v, kc, vc, b.slot_mapping, backend=backend)
-        attention = kernels.paged_attention_triton if backend == "triton" else paged_attention_ref
-        return attention(q, kc, vc, b.block_tables, b.context_lens, b.cu_seqlens_q, window=window)
+        if backend == "triton":
+            return kernels.paged_attention_triton(q, kc, vc, b.block_tables, b.context_lens,
+                                                  b.cu_seqlens_q, window=window)
+        return self._attend_torch(q, kc, vc, window)
+
+    def _step_layout(self) -> tuple[torch.Tensor, ...]:
+        """Per-step tensors: query rows padded to ``[B, max_q]``, their validity and positions."""
+        if self._step is None:
+            b = self.batch
+            cu, lens = b.cu_seqlens_q, b.context_lens
+            q_lens = cu[1:] - cu[:-1]
+            i = torch.arange(int(q_lens.max()), device=cu.device)
+            valid = i[None, :] < q_lens[:, None]
+            rows = (cu[:-1, None] + i[None, :]).clamp(max=int(cu[-1]) - 1)
+            pos = torch.where(valid, lens[:, None] - q_lens[:, None] + i[None, :], 0)
+            tables = b.block_tables.clamp(min=0)  # padding (-1) is masked out below
+            keys = torch.arange(tables.shape[1] * b.block_size, device=cu.device)
+            self._step = (valid, rows, pos, tables, keys)
+        return self._step
+
+    def _mask(self, window: int | None) -> torch.Tensor:
+        """``[B, 1, max_q, keys]``: causal by position, within the window, never past the end."""
+        if window not in self._masks:
+            _, _, pos, _, keys = self._step_layout()
+            allowed = keys[None, None, :] <= pos[:, :, None]
+            if window is not None:
+                allowed &= keys[None, None, :] > pos[:, :, None] - window
+            self._masks[window] = allowed[:, None]
+        return self._masks[window]
+
+    def _attend_torch(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                      window: int | None) -> torch.Tensor:
+        valid, rows, _, tables, _ = self._step_layout()
+        keys = kc[tables].flatten(1, 2).to(q.dtype)  # [B, blocks * block_size, Hkv, D]
+        values = vc[tables].flatten(1, 2).to(q.dtype)
+        qb = q[rows]  # [B, max_q, Hq, D]
+        out = F.scaled_dot_product_attention(
+            qb.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=self._mask(window), enable_gqa=qb.shape[2] != keys.shape[2],
+        )
+        return out.transpose(1, 2)[valid]
 
 
 def default_num_blocks(prompt_lens: Sequence[int], budgets: Sequence[int], block_size: int) -> int:

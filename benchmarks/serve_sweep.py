@@ -1,0 +1,218 @@
+"""Our server under load: TTFT, TPOT and ITL at the tail, at each concurrency (Chapter 7).
+
+Starts ``infer-lab serve`` on a free loopback port, then drives it with ``infer-lab bench``:
+
+1. **sweep**: closed loop at concurrency 1, 2, 4, ..., 64, fixed 64-token prompts and 64-token
+   outputs (``ignore_eos``), seed 0, warm-ups left out of every statistic. Each point keeps every
+   request's TTFT, TPOT, E2EL and worst gap, so a reader can compute goodput for any SLO later.
+2. **knobs**: the same server restarted with other scheduler settings (step token budget,
+   maximum batch) at one concurrency, on long prompts, to show how those knobs move TTFT against
+   ITL.
+
+Writes ``results/serve_sweep.json`` (with device, commit and date) and the plots
+``results/serve_sweep_{throughput_latency,cdf,vs_load,knobs}.png``, and stops every server it
+started. On two CPU cores the defaults take about six minutes.
+
+    python -m benchmarks.serve_sweep [-n 300] [--concurrency 1 2 4 8 16 32 64] [--no-knobs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from benchmarks._common import RESULTS, provenance, write_results
+from infer_lab.measure.bench import jsonable, parse_bench_args, run_bench
+from infer_lab.measure.loadgen import RequestResult
+from infer_lab.measure.stats import itls, tpot, ttft
+
+# One SLO for the goodput column of the table; the per-request lists allow any other later.
+DEFAULT_SLO = "ttft=250ms,tpot=25ms"
+# Scheduler settings compared at one load: name -> extra ``infer-lab serve`` arguments.
+KNOBS: dict[str, list[str]] = {
+    "default (budget 2048, 64 seqs)": [],
+    "budget 256 (chunked prefill)": ["--max-num-batched-tokens", "256"],
+    "max 2 running seqs": ["--max-num-seqs", "2"],
+}
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (the OS picks it, so parallel runs do not clash)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def served(extra_args: Sequence[str] = (), timeout: float = 180.0) -> Iterator[str]:
+    """Run ``infer-lab serve`` as a child process for the block; yield its base URL.
+
+    The server is a separate process, as in production, so the client that measures it does not
+    share its interpreter (and its global interpreter lock) with the engine it measures.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "infer_lab.cli", "serve", "--port", str(port), *extra_args]
+    # stderr to a file, not a pipe: a pipe nobody reads fills up and stalls the server's logging
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"server exited with {proc.returncode}: {log.read()[-2000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not answer /health within {timeout:.0f} s")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def compact_requests(result: dict[str, Any]) -> None:
+    """Replace each run's raw timestamps by four numbers per request (ms), in place.
+
+    Raw chunk times of a whole sweep run to megabytes; TTFT, TPOT, E2EL and the worst gap per
+    request are all that goodput under any SLO needs, and they keep the JSON small.
+    """
+    for point in result["points"]:
+        per: dict[str, list[float | None]] = {"ttft": [], "tpot": [], "e2el": [], "max_itl": []}
+        for run in point["runs"]:
+            for d in run.pop("requests", []):
+                r = RequestResult.from_dict(d)
+                if not r.success:
+                    continue
+                gaps = itls(r)
+                per["ttft"].append(_ms(ttft(r)))
+                per["tpot"].append(_ms(tpot(r)))
+                per["e2el"].append(_ms(r.chunk_times[-1] - r.sent))
+                per["max_itl"].append(_ms(max(gaps)) if gaps else None)
+        point["per_request_ms"] = per
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 2)
+
+
+def bench(base: str, concurrency: Sequence[int], n: int, input_len: int, output_len: int,
+          seed: int, slo: str | None, plot: Path | None = None) -> dict[str, Any]:
+    """One ``infer-lab bench`` sweep against ``base``, as the command line would run it."""
+    argv = ["--base-url", base, "--concurrency", *map(str, concurrency), "-n", str(n),
+            "--input-len", str(input_len), "--output-len", str(output_len),
+            "--seed", str(seed), "--save-requests", "--no-progress"]
+    if slo:
+        argv += ["--slo", slo]
+    if plot:
+        argv += ["--plot", str(plot)]
+    result = run_bench(parse_bench_args(argv))
+    result.pop("plots", None)
+    compact_requests(result)
+    return result
+
+
+def plot_knobs(knobs: dict[str, Any], path: Path) -> Path:
+    """TTFT against ITL, one marker pair (p50, p99) per scheduler setting: the trade in one view."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for (name, cfg), marker in zip(knobs["configs"].items(), "osD^v"):
+        m = cfg["result"]["points"][0]["metrics"]
+        xs = [m["itl.p50"] * 1e3, m["itl.p99"] * 1e3]
+        ys = [m["ttft.p50"] * 1e3, m["ttft.p99"] * 1e3]
+        ax.plot(xs, ys, marker + "-", label=f"{name}: p50 → p99")
+    ax.set(xscale="log", yscale="log", xlabel="ITL (ms, per chunk)", ylabel="TTFT (ms)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    w = knobs["workload"]
+    fig.suptitle(f"Scheduler knobs at C={w['concurrency']}, N={w['num_requests']}, input "
+                 f"{w['input_len']} / output {w['output_len']} tokens, seed {w['seed']}",
+                 fontsize=9)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("-n", "--num-requests", type=int, default=300,
+                   help="measured requests per load point (default: %(default)s)")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", default=DEFAULT_SLO, help="goodput SLO (default: %(default)s)")
+    p.add_argument("--knobs", action=argparse.BooleanOptionalAction, default=True,
+                   help="also compare scheduler settings (default: on)")
+    p.add_argument("--knobs-concurrency", type=int, default=8)
+    p.add_argument("--knobs-n", type=int, default=64)
+    p.add_argument("--knobs-input-len", type=int, default=1024)
+    p.add_argument("--knobs-output-len", type=int, default=32)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+
+    start = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+    with served() as base:
+        sweep = bench(base, args.concurrency, args.num_requests, args.input_len,
+                      args.output_len, args.seed, args.slo, args.out / "serve_sweep")
+    payload: dict[str, Any] = {
+        "benchmark": "serve_sweep", **provenance(device),
+        "server": "infer-lab serve (bundled tiny-kjv, default settings), loopback, same machine "
+                  "as the client",
+        "p99_rests_on": f"{args.num_requests} requests per point: ~{args.num_requests // 100} "
+                        "requests lie above each p99 of TTFT/TPOT/E2EL; the ITL p99 pools "
+                        f"~{args.num_requests * (args.output_len - 1)} gaps per point",
+        "sweep": sweep,
+    }
+    if args.knobs:
+        configs = {}
+        for name, extra in KNOBS.items():
+            with served(extra) as base:
+                print(f"\n== knobs: {name} ({' '.join(extra) or 'no extra arguments'})")
+                result = bench(base, [args.knobs_concurrency], args.knobs_n,
+                               args.knobs_input_len, args.knobs_output_len, args.seed, None)
+            configs[name] = {"server_args": extra, "result": result}
+        payload["knobs"] = {
+            "workload": {"concurrency": args.knobs_concurrency, "num_requests": args.knobs_n,
+                         "input_len": args.knobs_input_len, "output_len": args.knobs_output_len,
+                         "seed": args.seed},
+            "configs": configs,
+        }
+        plot_knobs(payload["knobs"], args.out / "serve_sweep_knobs.png")
+        print(f"\nknobs at C={args.knobs_concurrency}, N={args.knobs_n}, input "
+              f"{args.knobs_input_len} / output {args.knobs_output_len}, seed {args.seed}:")
+        print(f"{'setting':32} {'out tok/s':>9} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16}")
+        for name, cfg in configs.items():
+            m = cfg["result"]["points"][0]["metrics"]
+            print(f"{name:32} {m['output_throughput']:9.1f} "
+                  f"{m['ttft.p50'] * 1e3:8.0f}/{m['ttft.p99'] * 1e3:<8.0f} "
+                  f"{m['itl.p50'] * 1e3:7.1f}/{m['itl.p99'] * 1e3:<8.1f}")
+    payload["wall_s"] = round(time.perf_counter() - start, 1)
+    print(f"\nwrote {write_results('serve_sweep', jsonable(payload), args.out)} "
+          f"in {payload['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
