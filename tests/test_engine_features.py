@@ -181,6 +181,13 @@ def test_requests_that_cannot_run_are_rejected_when_added(model_tok):
         engine.add_request("c", [10**6], il.SamplingParams())
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request("d", [5] * 30, il.SamplingParams(max_tokens=10))
+    # more parallel samples than running slots would wait forever (found by the server's fuzzing)
+    narrow = engine_for(model_tok, num_kv_blocks=8, block_size=4, max_num_seqs=4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        narrow.add_request("n", [5, 6], il.SamplingParams(n=5, max_tokens=2))
+    narrow.add_request("n4", [5, 6], il.SamplingParams(n=4, max_tokens=2))
+    drain(narrow)
+    assert_no_leak(narrow)
     engine.add_request("e", [5, 6], il.SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="in use"):
         engine.add_request("e", [5, 6], il.SamplingParams(max_tokens=2))

@@ -26,7 +26,7 @@ def test_no_server_errors(fuzz_base):
     for op in operations:
 
         @given(case=op.as_strategy())
-        @settings(max_examples=40, deadline=None, database=None,
+        @settings(max_examples=60, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         def no_5xx(case):
             response = case.call(base_url=fuzz_base, timeout=60)

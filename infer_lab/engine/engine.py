@@ -159,6 +159,9 @@ class LLMEngine:
         if need > self.kv.num_blocks:
             raise ValueError(f"this request may need {need} KV blocks but the pool has only "
                              f"{self.kv.num_blocks}")
+        if params.n > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"n={params.n} parallel samples cannot run together: the engine "
+                             f"runs at most max_num_seqs={self.scheduler_config.max_num_seqs}")
         if self.scheduler.static and params.n > 1:
             raise ValueError("the static baseline does not support n > 1")
         stops = frozenset(params.stop_token_ids or ())
