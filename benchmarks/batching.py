@@ -11,7 +11,7 @@ quote):
    a no-op (and the whole step, sampling and bookkeeping included, beside it).
 4. The nano-vllm offline workload, scaled down for a CPU (stated in the output): output tokens/s.
 
-    python benchmarks/batching.py [--max-batch 32] [--threads 1] [--nano-n 32] [--out DIR]
+    python -m benchmarks.batching [--max-batch 32] [--threads 1] [--nano-n 32] [--out DIR]
 """
 
 from __future__ import annotations

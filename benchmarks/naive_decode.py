@@ -40,16 +40,20 @@ def big_checkpoint(path: Path, gpu: bool) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-def per_token_seconds(fn, tokens: int, repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
+def per_token_seconds(fns, tokens: int, repeats: int) -> list[float]:
+    """Median seconds per token of each function, run interleaved (a, b, a, b, ...) so that a
+    slow spell of a shared machine hits both sides alike."""
+    for fn in fns:
+        fn()  # warm-up
+    samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / tokens)
-    return statistics.median(samples)
+        for fn, out in zip(fns, samples):
+            start = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            out.append((time.perf_counter() - start) / tokens)
+    return [statistics.median(s) for s in samples]
 
 
 @torch.inference_mode()
@@ -72,8 +76,7 @@ def run(path: Path, name: str, lengths: list[int], tokens: int, repeats: int, de
             return hf.generate(ids, max_new_tokens=tokens, do_sample=False, use_cache=False,
                                pad_token_id=0)
 
-        t_ours = per_token_seconds(ours_fn, tokens, repeats)
-        t_hf = per_token_seconds(hf_fn, tokens, repeats)
+        t_ours, t_hf = per_token_seconds([ours_fn, hf_fn], tokens, repeats)
         rows.append({"model": name, "length": length, "ours_ms": t_ours * 1e3,
                      "transformers_ms": t_hf * 1e3, "speedup": t_hf / t_ours})
     return rows
@@ -84,8 +87,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: on a shared 2-core machine, two "
+                             "threads per process thrash); 0 keeps torch's default")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     rows = run(BUNDLED_MODEL_DIR, "bundled tiny-kjv", args.lengths, args.tokens, args.repeats,
@@ -96,6 +104,7 @@ def main() -> None:
         rows += run(Path(tmp), name, args.lengths, args.tokens, args.repeats, device, dtype)
     print_table(rows, ["model", "length", "ours_ms", "transformers_ms", "speedup"])
     payload = {"benchmark": "naive_decode", **provenance(device), "dtype": str(dtype),
+               "lengths": args.lengths,
                "tokens_per_measurement": args.tokens, "repeats": args.repeats, "rows": rows}
     print("wrote", write_results("naive_decode", payload, args.out))
 

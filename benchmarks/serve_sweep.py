@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +46,11 @@ KNOBS: dict[str, list[str]] = {
     "budget 256 (chunked prefill)": ["--max-num-batched-tokens", "256"],
     "max 2 running seqs": ["--max-num-seqs", "2"],
 }
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so ``served``'s cleanup stops the server we started."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 def free_port() -> int:
@@ -171,14 +177,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
 
+    exit_on_sigterm()
     start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    where = provenance(device)  # at the start: the commit and date the numbers were taken at
     args.out.mkdir(parents=True, exist_ok=True)
     with served() as base:
         sweep = bench(base, args.concurrency, args.num_requests, args.input_len,
                       args.output_len, args.seed, args.slo, args.out / "serve_sweep")
     payload: dict[str, Any] = {
-        "benchmark": "serve_sweep", **provenance(device),
+        "benchmark": "serve_sweep", **where,
         "server": "infer-lab serve (bundled tiny-kjv, default settings), loopback, same machine "
                   "as the client",
         "p99_rests_on": f"{args.num_requests} requests per point: ~{args.num_requests // 100} "
