@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from infer_lab.model.config import ModelConfig
-from infer_lab.model.generate import GenerationOutput, encode_prompt, stop_token_ids
+from infer_lab.model.generate import GenerationOutput, prepare_batch
 from infer_lab.model.tokenizer import Tokenizer
 from infer_lab.model.transformer import Transformer
 
@@ -100,12 +100,6 @@ class ContiguousAttentionContext:
         return out.transpose(1, 2).flatten(0, 1)
 
 
-def _budgets(prompts: list[list[int]], max_tokens: int, max_context: int) -> list[int]:
-    """Tokens each sequence may generate: ``max_tokens``, or less where the context runs out
-    (the same rule as :func:`generate_naive`)."""
-    return [min(max_tokens, max_context - len(p)) for p in prompts]
-
-
 @torch.inference_mode()
 def generate_cached(
     model: Transformer,
@@ -121,14 +115,8 @@ def generate_cached(
     keep being computed (their output is ignored) until the last one finishes: that is the
     static-batching cost Chapter 5 removes.
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    if isinstance(prompts, str) or not prompts:
-        raise ValueError("prompts must be a non-empty list of prompts")
     cfg = model.config
-    ids = [encode_prompt(tokenizer, p, cfg.max_position_embeddings) for p in prompts]
-    stops = set() if ignore_eos else stop_token_ids(model, tokenizer)
-    budgets = _budgets(ids, max_tokens, cfg.max_position_embeddings)
+    ids, budgets, stops = prepare_batch(model, tokenizer, prompts, max_tokens, ignore_eos)
     batch, lens = len(ids), [len(p) for p in ids]
     cache = ContiguousKVCache(cfg, batch, max(lens) + max_tokens, model.device, model.dtype)
     device = model.device

@@ -26,7 +26,7 @@ from infer_lab import kernels
 from infer_lab.cache.block_pool import BlockManager, cdiv, slot_mapping_for
 from infer_lab.model.attention import causal_mask
 from infer_lab.model.config import ModelConfig
-from infer_lab.model.generate import GenerationOutput, encode_prompt, stop_token_ids
+from infer_lab.model.generate import GenerationOutput, prepare_batch
 from infer_lab.model.tokenizer import Tokenizer
 from infer_lab.model.transformer import Transformer
 
@@ -298,14 +298,8 @@ def generate_paged(
     preemption here (that is the scheduler's job): too few blocks raises ``NoFreeBlocksError``.
     Pass ``block_manager`` to watch the pool (its block size and pool size are then used).
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    if isinstance(prompts, str) or not prompts:
-        raise ValueError("prompts must be a non-empty list of prompts")
     cfg, device = model.config, model.device
-    ids = [encode_prompt(tokenizer, p, cfg.max_position_embeddings) for p in prompts]
-    budgets = [min(max_tokens, cfg.max_position_embeddings - len(p)) for p in ids]
-    stops = set() if ignore_eos else stop_token_ids(model, tokenizer)
+    ids, budgets, stops = prepare_batch(model, tokenizer, prompts, max_tokens, ignore_eos)
     if block_manager is None:
         if num_blocks is None:
             num_blocks = default_num_blocks([len(p) for p in ids], budgets, block_size)

@@ -48,6 +48,29 @@ def stop_token_ids(model: Transformer, tokenizer: Tokenizer) -> set[int]:
     return ids
 
 
+def prepare_batch(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str | Sequence[int]],
+    max_tokens: int,
+    ignore_eos: bool,
+) -> tuple[list[list[int]], list[int], set[int]]:
+    """Checked prompt ids, each prompt's token budget, and the stop ids, for a batch generator.
+
+    A prompt's budget is ``max_tokens``, or less where the context runs out (the rule of
+    :func:`generate_naive`), so every batched generator stops where the naive one does.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if isinstance(prompts, str) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts")
+    context = model.config.max_position_embeddings
+    ids = [encode_prompt(tokenizer, p, context) for p in prompts]
+    budgets = [min(max_tokens, context - len(p)) for p in ids]
+    stops = set() if ignore_eos else stop_token_ids(model, tokenizer)
+    return ids, budgets, stops
+
+
 def stream_naive(
     model: Transformer,
     prompt_ids: Sequence[int],
