@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from infer_lab.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 CORPUS = [
     "café naïve résumé, déjà vu à la crème brûlée.",
