@@ -1,4 +1,5 @@
-"""Load a Hugging Face-layout checkpoint (safetensors only) into :class:`Transformer`.
+"""Load a checkpoint into :class:`Transformer`: a Hugging Face directory (safetensors only), a
+GGUF file (see :mod:`infer_lab.model.gguf`) or a named model (see :mod:`infer_lab.model.registry`).
 
 Weights are read tensor by tensor straight into a model allocated on the target device, so a
 checkpoint is never held twice in memory; the checkpoint's separate q/k/v and gate/up tensors are
@@ -18,7 +19,9 @@ import torch
 from safetensors import safe_open
 
 from infer_lab.device import default_device, resolve_dtype
+from infer_lab.model import registry
 from infer_lab.model.config import ModelConfig
+from infer_lab.model.gguf import find_gguf, load_gguf
 from infer_lab.model.tokenizer import Tokenizer
 from infer_lab.model.transformer import Transformer
 
@@ -37,7 +40,12 @@ class CheckpointError(ValueError):
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A local directory for ``model``: the bundled model, a directory, or a hub id (online)."""
+    """A local path for ``model``: the bundled model, a directory, a ``.gguf`` file, a named model
+    (fetched into the cache once) or a hub id (online).
+
+    A named model with random weights requested (``INFER_LAB_SMOLLM2=random``) resolves to its
+    bare name, which :func:`load` recognises; no file is touched.
+    """
     if model is None:
         if (BUNDLED_MODEL_DIR / "config.json").is_file():
             return BUNDLED_MODEL_DIR
@@ -46,13 +54,24 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
             "pass a checkpoint directory or hub id to load()"
         )
     path = Path(model).expanduser()
+    if str(model) in registry.NAMED_MODELS and not path.exists():
+        if registry.random_requested(str(model)):
+            return Path(str(model))
+        return registry.fetch(str(model))
     if path.is_dir():
         return path
-    if path.exists():
-        raise NotADirectoryError(f"{path} is a file; pass the checkpoint's directory")
+    if path.is_file():
+        if find_gguf(path) is not None:
+            return path
+        raise NotADirectoryError(
+            f"{path} is a file but not a GGUF file; pass a checkpoint's directory or a .gguf file"
+        )
     if _HUB_ID.match(str(model)):
         return _download(str(model))
-    raise FileNotFoundError(f"model directory {path} does not exist")
+    named = ", ".join(registry.NAMED_MODELS)
+    raise FileNotFoundError(
+        f"model {str(model)!r} is not a directory, a .gguf file or a named model ({named})"
+    )
 
 
 def _download(repo_id: str) -> Path:
@@ -195,6 +214,48 @@ def load(
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
 ) -> tuple[Transformer, Tokenizer]:
-    """Load a model and its tokenizer: the bundled model by default, else a directory or hub id."""
+    """Load a model and its tokenizer: the bundled model by default, else a directory, a ``.gguf``
+    file (or a directory holding one), a named model such as ``"smollm2-135m-instruct"``, or a hub
+    id."""
     path = resolve_model_path(model)
+    if str(path) in registry.NAMED_MODELS and not path.exists():
+        return random_named_model(str(path), device, dtype)
+    if not (path / "config.json").is_file():
+        gguf_file = find_gguf(path)
+        if gguf_file is not None:
+            return load_gguf(gguf_file, device, dtype)
     return load_model(path, device, dtype), Tokenizer.from_dir(path)
+
+
+# SmolLM2-135M-Instruct's shape, as its GGUF metadata states it, for the random stand-in.
+_SMOLLM2_SHAPE = dict(
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+)
+
+
+def random_named_model(
+    name: str,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> tuple[Transformer, Tokenizer]:
+    """Random weights of ``name``'s shape with the bundled tokenizer, announced on stderr.
+
+    For timing where the real file cannot go; the text it produces is noise (token ids past the
+    bundled vocabulary decode to nothing).
+    """
+    import sys
+
+    from infer_lab.model.random import random_model
+
+    if name != "smollm2-135m-instruct":
+        raise KeyError(f"no random stand-in is defined for {name!r}")
+    print(
+        f"infer_lab: {registry.RANDOM_ENV}=random -- {name} is RANDOM WEIGHTS of SmolLM2-135M's "
+        "shape with the bundled tokenizer (timings only; its text is noise)",
+        file=sys.stderr, flush=True,
+    )
+    cfg = ModelConfig.from_dict(_SMOLLM2_SHAPE)
+    return random_model(cfg, device, dtype), Tokenizer.from_dir(BUNDLED_MODEL_DIR)
