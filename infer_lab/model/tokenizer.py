@@ -355,6 +355,13 @@ class Tokenizer:
         """Text -> ids; with `add_special_tokens` the post-processor adds bos/eos as configured."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Many texts -> ids, as `encode` gives them. The `tokenizers` library releases the GIL
+        here (not in `encode`), so a server thread can tokenize a long prompt while the event
+        loop keeps streaming."""
+        return [e.ids for e in self._tok.encode_batch(list(texts),
+                                                      add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text, as `transformers`' `decode` (with its space clean-up where it applies)."""
         text = self._raw_decode(_as_int_list(ids), skip_special_tokens)

@@ -4,6 +4,10 @@ The model forward takes milliseconds to seconds; run on the event loop it would 
 connection for that long. So the engine steps in its own thread, and the event loop only talks to
 it through two doors: a command queue in (add, abort) and per-request asyncio queues out (each
 step's new tokens). The engine is never touched from two threads at once.
+
+The event-loop side also keeps the books a server needs before the engine sees a request: how
+many admitted requests (and prompt tokens) are still waiting for their first token, which bounds
+admission (429 beyond it), and which requests are in flight, which a draining server waits for.
 """
 
 from __future__ import annotations
@@ -12,40 +16,57 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from infer_lab.engine import LLMEngine, RequestOutput, SamplingParams
+from infer_lab.serve.errors import server_busy
 from infer_lab.serve.metrics import ServerMetrics
 
 log = logging.getLogger("infer_lab.serve")
 
+MAX_STEP_FAILURES = 3  # consecutive failed steps after which the engine is declared dead
 
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; in-flight requests get this instead of more tokens."""
+
+class RequestFailed(RuntimeError):
+    """This request will get no more tokens (the engine died, or the server is shutting down)."""
+
+
+class EngineDeadError(RequestFailed):
+    """The engine loop is not running."""
 
 
 @dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    prompt_tokens: int
+    waiting: bool = True  # admitted, no output yet
 
 
 class AsyncEngine:
     """Thread-owned :class:`LLMEngine` with awaitable ``add_request`` and per-request streams."""
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, *,
+                 max_waiting_requests: int = 256, max_waiting_tokens: int = 1 << 18) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_tokens = max_waiting_tokens
+        self.draining = False
+        self.dead: str | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # event-loop side
+        self._engine_ids: set[str] = set()  # engine-thread side: requests it is running
+        self._waiting_tokens = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._seen_stats = (0, 0, 0)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ------------------------------------------------------------------ event-loop side
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._thread.start()
 
     def shutdown(self) -> None:
@@ -53,14 +74,44 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> asyncio.Queue:
-        """Queue a request; returns the queue its outputs arrive on. Raises what the engine
-        raises for a request it cannot take (``ValueError``: too long, bad token ids, ...)."""
+    @property
+    def state(self) -> str:
+        """"ok", "draining" or "dead" (what /health reports)."""
+        if self.dead is not None or not self._thread.is_alive():
+            return "dead"
+        return "draining" if self.draining else "ok"
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.waiting for s in self._streams.values())
+
+    def check_admission(self, prompt_tokens: int = 0) -> None:
+        """Raise 429 if admitting one more request would pass the waiting bounds."""
+        waiting = self.num_waiting
+        if waiting + 1 > self.max_waiting_requests:
+            raise server_busy(f"the server has {waiting} requests waiting (the limit is "
+                              f"{self.max_waiting_requests}); retry later")
+        if waiting and self._waiting_tokens + prompt_tokens > self.max_waiting_tokens:
+            raise server_busy(f"the server has {self._waiting_tokens} prompt tokens waiting "
+                              f"(the limit is {self.max_waiting_tokens}); retry later")
+
+    async def add_request(self, request_id: str, prompt: Sequence[int],
+                          params: SamplingParams) -> asyncio.Queue:
+        """Admit and queue a request (token ids); returns the queue its outputs arrive on.
+        Raises 429 beyond the waiting bounds, and what the engine raises for a request it
+        cannot take (``ValueError``: too long, bad token ids, ...)."""
+        if self.state == "dead":
+            raise EngineDeadError("the engine loop is not running")
+        self.check_admission(len(prompt))
         loop = asyncio.get_running_loop()
+        stream = _Stream(asyncio.Queue(), len(prompt))
+        self._streams[request_id] = stream
+        self._waiting_tokens += len(prompt)
         done: asyncio.Future = loop.create_future()
-        stream = _Stream(loop, asyncio.Queue())
 
         def add() -> None:
             try:
@@ -68,38 +119,61 @@ class AsyncEngine:
             except Exception as e:  # handed back to the caller, who turns it into a 400
                 loop.call_soon_threadsafe(_settle, done, e)
                 return
-            self._streams[request_id] = stream
+            self._engine_ids.add(request_id)
             loop.call_soon_threadsafe(_settle, done, None)
 
-        self._submit(add)
-        await done
+        try:
+            self._submit(add)
+            await done
+        except BaseException:
+            self._forget(request_id)
+            raise
         return stream.queue
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its KV blocks are freed before the next step."""
+        self._forget(request_id)
 
         def abort() -> None:
+            self._engine_ids.discard(request_id)
             if self.engine.abort(request_id) and self.metrics:
                 self.metrics.labels(self.metrics.requests_aborted).inc()
-            self._streams.pop(request_id, None)
 
-        self._submit(abort)
+        if self._thread.is_alive():
+            self._submit(abort)
 
-    async def run_on_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps (for consistent snapshots)."""
+    def end_all(self, message: str) -> int:
+        """Give every request in flight ``RequestFailed(message)`` and abort it; returns how
+        many (the end of a drain)."""
+        ids = list(self._streams)
+        for request_id in ids:
+            self._streams[request_id].queue.put_nowait(RequestFailed(message))
+            self.abort(request_id)
+        return len(ids)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until no request is in flight."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
+        deadline = loop.time() + timeout
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._streams
 
-        def call() -> None:
-            try:
-                result = fn(self.engine)
-            except Exception as e:
-                loop.call_soon_threadsafe(_settle, done, e)
-            else:
-                loop.call_soon_threadsafe(_resolve, done, result)
+    def _forget(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and stream.waiting:
+            self._waiting_tokens -= stream.prompt_tokens
 
-        self._submit(call)
-        return await done
+    def _on_output(self, request_id: str, item: RequestOutput | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if stream.waiting:
+            stream.waiting = False
+            self._waiting_tokens -= stream.prompt_tokens
+        if isinstance(item, Exception) or item.finished:
+            del self._streams[request_id]
+        stream.queue.put_nowait(item)
 
     def _submit(self, command: Callable[[], None]) -> None:
         if not self._thread.is_alive():
@@ -108,7 +182,16 @@ class AsyncEngine:
         self._wake.set()
 
     # ------------------------------------------------------------------ engine-thread side
-    def _loop(self) -> None:
+    def _run(self) -> None:
+        try:
+            self._steps()
+        except Exception as e:  # a bug outside a step: say so on /health, end every request
+            log.exception("the engine loop died")
+            self.dead = f"the engine loop died: {type(e).__name__}"
+            self._fail_all(self.dead)
+
+    def _steps(self) -> None:
+        failures = 0
         while not self._stopping:
             self._run_commands()
             if not self.engine.has_unfinished_requests():
@@ -118,9 +201,14 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # keep serving: fail what was in flight, free its blocks
-                log.exception("engine step failed; aborting %d requests", len(self._streams))
-                self._fail_all(e)
+                failures = 0
+            except Exception:  # the engine isolates a request's own failure; this is the engine's
+                failures += 1
+                log.exception("engine step failed (%d in a row)", failures)
+                self._fail_all("the engine failed on this batch")
+                if failures >= MAX_STEP_FAILURES:
+                    self.dead = f"the engine failed {failures} steps in a row"
+                    return
                 continue
             for out in outputs:
                 self._deliver(out)
@@ -137,27 +225,25 @@ class AsyncEngine:
     def _deliver(self, out: RequestOutput) -> None:
         if self.metrics:
             self._observe(out)
-        stream = self._streams.get(out.request_id)
-        if stream is None:
+        if out.request_id not in self._engine_ids:
             return
         if out.finished:
-            del self._streams[out.request_id]
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            self._engine_ids.discard(out.request_id)
+        self._loop.call_soon_threadsafe(self._on_output, out.request_id, out)
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id, stream in list(self._streams.items()):
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self._engine_ids):
             self.engine.abort(request_id)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(error)))
-        self._streams.clear()
+            if self.metrics:
+                self.metrics.labels(self.metrics.requests_failed).inc()
+            self._loop.call_soon_threadsafe(self._on_output, request_id,
+                                            EngineDeadError(message))
+        self._engine_ids.clear()
 
     def _update_gauges(self) -> None:
-        if not self.metrics:
-            return
-        m, stats = self.metrics, self.engine.get_stats()
-        m.labels(m.running).set(stats.num_running)
-        m.labels(m.waiting).set(stats.num_waiting)
-        m.labels(m.kv_used).set(stats.num_kv_blocks_used)
-        m.labels(m.kv_usage).set(stats.num_kv_blocks_used / max(1, stats.num_kv_blocks_total))
+        if self.metrics:
+            stats = self.engine.get_stats()
+            self._seen_stats = self.metrics.update(stats, self._seen_stats)
 
     def _observe(self, out: RequestOutput) -> None:
         m = self.metrics
@@ -174,8 +260,10 @@ class AsyncEngine:
             for i in range(max(1, first_new), len(times)):
                 m.labels(m.itl).observe(times[i] - times[i - 1])
         if out.finished:
-            m.labels(m.requests_ok).inc()
-            if out.metrics.e2e is not None:
+            failed = getattr(out, "error", None) or any(c.finish_reason == "error"
+                                                        for c in out.outputs)
+            m.labels(m.requests_failed if failed else m.requests_ok).inc()
+            if out.metrics.e2e is not None and not failed:
                 m.labels(m.e2e).observe(out.metrics.e2e)
 
 
@@ -186,8 +274,3 @@ def _settle(future: asyncio.Future, error: Exception | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
-
-
-def _resolve(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
-        future.set_result(value)

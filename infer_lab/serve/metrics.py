@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from infer_lab.engine.engine import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                     0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
 class ServerMetrics:
-    """One registry per app, so two servers in one process (the tests) do not collide."""
+    """One registry per app, so two servers in one process (the tests) do not collide.
 
-    def __init__(self, model_name: str) -> None:
+    With ``vllm_names`` the three gauges a router reads (waiting, running, KV usage) are also
+    exported under vLLM's own names, so a router written for vLLM can balance over this server.
+    """
+
+    def __init__(self, model_name: str, vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry()
+        self.model = model_name
         labels = ["model_name"]
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"infer_lab:{name}", doc, labels, registry=self.registry)
+        def gauge(name: str, doc: str, prefix: str = "infer_lab") -> Gauge:
+            return Gauge(f"{prefix}:{name}", doc, labels, registry=self.registry)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"infer_lab:{name}", doc, labels, registry=self.registry)
@@ -33,14 +43,42 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.requests_ok = counter("request_success", "Requests that finished.")
         self.requests_aborted = counter("request_aborted", "Requests aborted (disconnects).")
+        self.requests_failed = counter("request_failed", "Requests the engine failed.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted for KV space.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found cached.")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
-        self.model = model_name
+        self.vllm: tuple[Gauge, Gauge, Gauge] | None = None
+        if vllm_names:
+            self.vllm = (gauge("num_requests_waiting", "Requests waiting.", "vllm"),
+                         gauge("num_requests_running", "Requests running.", "vllm"),
+                         gauge("kv_cache_usage_perc", "KV cache usage (0-1).", "vllm"))
         for metric in (self.running, self.waiting, self.kv_used, self.kv_usage,
                        self.prompt_tokens, self.generation_tokens, self.requests_ok,
-                       self.requests_aborted, self.ttft, self.itl, self.e2e):
+                       self.requests_aborted, self.requests_failed, self.preemptions,
+                       self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e,
+                       *(self.vllm or ())):
             self.labels(metric)  # export every series from the start, at zero
 
     def labels(self, metric):  # noqa: ANN001, ANN201 - prometheus metric types
         return metric.labels(model_name=self.model)
+
+    def update(self, stats: EngineStats, seen: tuple[int, int, int]) -> tuple[int, int, int]:
+        """Set the gauges from ``stats``; advance the counters by what grew since ``seen``
+        (the engine's totals of preemptions, prefix queries, prefix hits); returns the totals."""
+        usage = stats.num_kv_blocks_used / max(1, stats.num_kv_blocks_total)
+        self.labels(self.running).set(stats.num_running)
+        self.labels(self.waiting).set(stats.num_waiting)
+        self.labels(self.kv_used).set(stats.num_kv_blocks_used)
+        self.labels(self.kv_usage).set(usage)
+        if self.vllm is not None:
+            for gauge, value in zip(self.vllm, (stats.num_waiting, stats.num_running, usage)):
+                self.labels(gauge).set(value)
+        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
+        for counter, now, before in zip((self.preemptions, self.prefix_queries,
+                                         self.prefix_hits), totals, seen):
+            if now > before:
+                self.labels(counter).inc(now - before)
+        return totals

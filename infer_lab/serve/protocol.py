@@ -2,60 +2,204 @@
 
 Validation happens here, before a request reaches the engine: a wrong type or an out-of-range
 value is a 400 with OpenAI's error shape, never a failure inside a batch that other requests share.
+Every number is bounded by what the engine can represent (``top_k`` below 2**31, not 2**63), and
+an OpenAI field this server does not implement is refused by name when its value would change the
+output; its neutral value (``logit_bias: {}``, ``echo: false``, ``n: 1``...) is accepted.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+MAX_CHAT_TOP_LOGPROBS = 20  # and for /v1/chat/completions
+_INT32 = 2**31 - 1
+
+
+class UnsupportedField(ValueError):
+    """A field whose value would change the output in a way this server does not implement."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field = field
+
+
+def check_text(value: str, where: str) -> str:
+    """Refuse text that is not valid Unicode (a lone surrogate cannot be tokenized)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} is not valid Unicode text (a lone surrogate at "
+                         f"character {e.start})") from None
+    return value
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _finite(default: float, lo: float, hi: float, *, gt: bool = False) -> Any:
+    bound = {"gt": lo} if gt else {"ge": lo}
+    return Field(default=default, le=hi, allow_inf_nan=False, **bound)
+
+
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat (OpenAI's names; vLLM's extras top_k, ignore_eos)."""
+    """Fields shared by completions and chat (OpenAI's names; vLLM's extras top_k, ignore_eos,
+    repetition_penalty)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    max_tokens: int | None = Field(default=None, ge=1, le=_INT32)
+    temperature: float = _finite(1.0, 0.0, 100.0)
+    top_p: float = _finite(1.0, 0.0, 1.0, gt=True)
+    top_k: int = Field(default=0, ge=-1, le=_INT32)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
     n: int = Field(default=1, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    presence_penalty: float = _finite(0.0, -2.0, 2.0)
+    frequency_penalty: float = _finite(0.0, -2.0, 2.0)
+    repetition_penalty: float = _finite(1.0, 0.0, 2.0, gt=True)
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(default=None, ge=1, le=64)
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        for s in stops:
+            check_text(s, "a stop string")
+            if len(s) > MAX_STOP_LEN:
+                raise ValueError(f"a stop string is at most {MAX_STOP_LEN} characters, "
+                                 f"got {len(s)}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and not all(0 <= t <= _INT32 for t in v):
+            raise ValueError("stop_token_ids must be token ids (0 <= id < 2**31)")
+        return v
+
+    def unsupported(self) -> None:
+        """Raise :class:`UnsupportedField` for the first field whose value we cannot honour."""
+        if self.logit_bias:
+            raise UnsupportedField("logit_bias", "is not supported (only {} is accepted)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedField("best_of", "is not supported (only best_of == n)")
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            check_text(v, "prompt")
+        elif isinstance(v, list):
+            for item in v:
+                if isinstance(item, str):
+                    check_text(item, "prompt")
+                elif not all(0 <= t <= _INT32 for t in (item if isinstance(item, list) else [item])
+                             ):
+                    raise ValueError("prompt token ids must be in [0, 2**31)")
+        return v
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.echo:
+            raise UnsupportedField("echo", "is not supported (only false)")
+        if self.suffix:
+            raise UnsupportedField("suffix", "is not supported")
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content. Text parts must carry a string; other types (image_url,
+    input_audio, file) parse, and are then refused by name as unsupported."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: Any = None
+
+    @model_validator(mode="after")
+    def _text_is_str(self) -> ContentPart:
+        if self.type == "text":
+            if not isinstance(self.text, str):
+                raise ValueError("a text part needs 'text' as a string")
+            check_text(self.text, "text")
+        return self
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _valid(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            check_text(v, "content")
+        return v
 
     def text(self) -> str:
-        """Plain text of the message; list-of-parts content keeps only its text parts."""
+        """Plain text of the message (its text parts joined)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return "".join(p.text for p in self.content if p.type == "text")
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.tools or self.functions:
+            raise UnsupportedField("tools", "tool calling is not supported")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            raise UnsupportedField("tool_choice", "tool calling is not supported")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise UnsupportedField("response_format", "only {'type': 'text'} is supported")
+        if self.prediction:
+            raise UnsupportedField("prediction", "predicted outputs are not supported")
+        if self.audio or (self.modalities and self.modalities != ["text"]):
+            raise UnsupportedField("modalities", "only text output is supported")
+        if self.top_logprobs and not self.logprobs:
+            raise UnsupportedField("top_logprobs", "needs logprobs: true")
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type != "text":
+                    raise UnsupportedField(f"messages[{i}].content[{j}]",
+                                           f"content parts of type {part.type!r} are not "
+                                           "supported (text only)")
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -1,0 +1,130 @@
+"""ASGI middleware that runs before any body is parsed: the API key, the body limit (declared or
+chunked), a bound on how long a body may take to arrive, and a last net that turns an unexpected
+exception into a JSON 500 without breaking the keep-alive connection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from infer_lab.serve.protocol import error_body
+
+log = logging.getLogger("infer_lab.serve")
+
+DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")
+_TOO_LARGE = object()
+
+
+async def _send_json(send: Send, body: dict, status: int,
+                     headers: dict[str, str] | None = None) -> None:
+    response = JSONResponse(body, status, headers=headers)
+    await response({"type": "http"}, _no_body, send)
+
+
+async def _no_body() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+class ApiKey:
+    """Check ``Authorization: Bearer KEY`` (scheme in any case) before the body is read.
+
+    ``/v1/*`` is always guarded; ``/metrics`` and the docs routes too when ``guard_all``;
+    ``/health`` stays open for load balancers."""
+
+    def __init__(self, app: ASGIApp, api_key: str, guard_all: bool = False) -> None:
+        self.app, self.key, self.guard_all = app, api_key.encode(), guard_all
+
+    def _guarded(self, path: str) -> bool:
+        if path.startswith("/v1/") or path == "/v1":
+            return True
+        return self.guard_all and (path == "/metrics" or path.startswith(DOCS_PATHS))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._guarded(scope["path"]):
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, given = header.strip().partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.key):
+            return await self.app(scope, receive, send)
+        await _send_json(send, error_body("invalid or missing API key", "authentication_error",
+                                          code="invalid_api_key"), 401,
+                         {"WWW-Authenticate": 'Bearer realm="infer_lab"'})
+
+
+class BodyLimit:
+    """Read the whole body (at most ``max_bytes``, within ``timeout`` seconds) before the app
+    sees it: over the limit is 413 whether declared or chunked; too slow is 408."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float = 30.0) -> None:
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        too_large = error_body(f"the request body is over {self.max_bytes} bytes")
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await _send_json(send, too_large, 413, {"Connection": "close"})
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout)
+        except asyncio.TimeoutError:
+            return await _send_json(send, error_body("the request body did not arrive in "
+                                                     f"{self.timeout:g} s"), 408,
+                                    {"Connection": "close"})
+        if body is None:  # the client went away mid-body
+            return None
+        if body is _TOO_LARGE:
+            return await _send_json(send, too_large, 413, {"Connection": "close"})
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> bytes | object | None:
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return _TOO_LARGE  # stop reading: the answer is 413
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+
+class CatchAll:
+    """An exception no handler expected: log it here, answer a JSON 500, keep the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            log.exception("unexpected error in %s %s", scope["method"], scope["path"])
+            if not started:
+                await _send_json(send, error_body("the server failed on this request",
+                                                  "server_error"), 500)

@@ -1,0 +1,120 @@
+"""OpenAI's response shapes, built from the engine's :class:`RequestOutput`: whole responses,
+server-sent-event chunks, usage, and log-probabilities in both routes' formats."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from infer_lab.engine import CompletionOutput, RequestOutput
+from infer_lab.model.tokenizer import Tokenizer
+
+
+@dataclass
+class Shape:
+    """What one response looks like: the route, the model name, and what logprobs it wants
+    (``None``: none; else the number of alternatives per token)."""
+
+    request_id: str
+    chat: bool
+    model_name: str
+    tokenizer: Tokenizer
+    top_logprobs: int | None = None
+    usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per choice
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def body(self, obj: str, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+        out = {"id": self.request_id, "object": obj, "created": self.created,
+               "model": self.model_name, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else -9999.0  # JSON has no -inf; OpenAI's floor
+
+
+def logprobs_of(shape: Shape, index: int, entries: list | None) -> dict[str, Any] | None:
+    """``entries`` (TokenLogprobs) in the route's format; None when logprobs were not asked."""
+    if shape.top_logprobs is None or entries is None:
+        return None
+    k = shape.top_logprobs
+    if shape.chat:
+        content = []
+        for e in entries:
+            text = shape.token(e.token_id)
+            top = [{"token": (t := shape.token(i)), "logprob": _lp(lp),
+                    "bytes": list(t.encode("utf-8"))} for i, lp in e.top[:k]]
+            content.append({"token": text, "logprob": _lp(e.logprob),
+                            "bytes": list(text.encode("utf-8")), "top_logprobs": top})
+        return {"content": content, "refusal": None}
+    tokens, offsets, tops = [], [], []
+    for e in entries:
+        text = shape.token(e.token_id)
+        offsets.append(shape.offsets.get(index, 0))
+        shape.offsets[index] = offsets[-1] + len(text)
+        tokens.append(text)
+        top = {shape.token(i): _lp(lp) for i, lp in e.top[:k]}
+        top.setdefault(text, _lp(e.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage_of(out: RequestOutput) -> dict[str, int]:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def full_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
+    choices = []
+    for c in out.outputs:
+        lp = logprobs_of(shape, c.index, getattr(c, "logprobs", None))
+        if shape.chat:
+            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": lp, "finish_reason": c.finish_reason}
+        else:
+            choice = {"index": c.index, "text": c.text, "logprobs": lp,
+                      "finish_reason": c.finish_reason}
+        choices.append(choice)
+    return shape.body(shape.object, choices, usage_of(out))
+
+
+def chunk_choice(shape: Shape, c: CompletionOutput, first: bool) -> dict[str, Any]:
+    """One choice of a streamed chunk: this step's text (and role, in a chat's first chunk)."""
+    lp = logprobs_of(shape, c.index, getattr(c, "delta_logprobs", None))
+    if shape.chat:
+        delta: dict[str, Any] = {"content": c.delta_text}
+        if first:
+            delta["role"] = "assistant"
+        choice = {"index": c.index, "delta": delta}
+    else:
+        choice = {"index": c.index, "text": c.delta_text}
+    choice["logprobs"] = lp
+    choice["finish_reason"] = c.finish_reason
+    return choice
+
+
+def chunk_object(shape: Shape) -> str:
+    return "chat.completion.chunk" if shape.chat else "text_completion"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

@@ -1,0 +1,237 @@
+"""The routes: OpenAI's completions and chat endpoints, models, health and metrics.
+
+Each handler validates (pydantic, then the fields we refuse by name), tokenizes off the event
+loop, asks the engine for admission, and then either streams server-sent events or waits for the
+end while watching for the client to hang up; a request that fails, fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from infer_lab.engine import RequestOutput, SamplingParams
+from infer_lab.serve.async_engine import RequestFailed
+from infer_lab.serve.errors import APIError, unavailable
+from infer_lab.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    UnsupportedField,
+)
+from infer_lab.serve.responses import (
+    DONE,
+    Shape,
+    chunk_choice,
+    chunk_object,
+    full_response,
+    sse,
+    usage_of,
+)
+from infer_lab.serve.state import ServerState, server_state
+
+router = APIRouter()
+Server = Annotated[ServerState, Depends(server_state)]
+
+
+@router.get("/health")
+async def health(server: Server) -> JSONResponse:
+    """200 while serving; 503 while draining or if the engine thread has died."""
+    state = server.engine.state
+    body: dict[str, Any] = {"status": state}
+    if server.engine.dead:
+        body["detail"] = server.engine.dead
+    return JSONResponse(body, 200 if state == "ok" else 503)
+
+
+@router.get("/metrics")
+async def metrics(server: Server) -> Response:
+    if server.engine.metrics is None:
+        raise APIError(404, "metrics are off")
+    return Response(generate_latest(server.engine.metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(server: Server) -> dict[str, Any]:
+    return {"object": "list", "data": [{
+        "id": server.model_name, "object": "model", "created": server.created,
+        "owned_by": "infer_lab", "max_model_len": server.context,
+    }]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request,
+                      server: Server) -> Any:
+    check_request(server, body)
+    prompt = single_prompt(body.prompt)
+    server.engine.check_admission()  # cheap: refuse before tokenizing when already full
+    ids = await server.encode(prompt) if isinstance(prompt, str) else prompt
+    params = sampling_params(body, body.max_tokens or 16, body.logprobs)
+    shape = Shape(new_id("cmpl"), False, server.model_name, server.tokenizer, body.logprobs,
+                  include_usage(body))
+    return await run(request, server, shape, ids, params, body.stream)
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request,
+               server: Server) -> Any:
+    check_request(server, body)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    server.engine.check_admission()
+    try:
+        ids = await server.encode_chat(messages)
+    except ValueError as e:  # no template, or the template refused the conversation
+        raise APIError(400, str(e), param="messages") from e
+    wanted = body.max_completion_tokens or body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, wanted or max(1, server.context - len(ids)), top)
+    shape = Shape(new_id("chatcmpl"), True, server.model_name, server.tokenizer, top,
+                  include_usage(body))
+    return await run(request, server, shape, ids, params, body.stream)
+
+
+def check_request(server: ServerState, body: SamplingFields) -> None:
+    server.check_open()
+    server.check_model(body.model)
+    try:
+        body.unsupported()
+    except UnsupportedField as e:
+        raise APIError(400, str(e), param=e.field, code="unsupported_field") from e
+
+
+def single_prompt(prompt: Any) -> str | list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "batched prompts are not supported: send one request per "
+                           "prompt", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return prompt
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine's parameters; only non-neutral extras are passed (an engine without penalties
+    or logprobs then refuses exactly the requests that need them)."""
+    extra: dict[str, Any] = {}
+    if logprobs is not None:
+        extra["logprobs"] = logprobs
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0)):
+        if getattr(body, name) != neutral:
+            extra[name] = getattr(body, name)
+    try:
+        return SamplingParams(
+            n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+            top_k=body.top_k, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos, **extra,
+        )
+    except TypeError as e:
+        if extra and "unexpected keyword" in str(e):
+            field = next(iter(extra))
+            raise APIError(400, f"{field}: not supported by this engine", param=field,
+                           code="unsupported_field") from e
+        raise APIError(400, str(e)) from e
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+
+
+def include_usage(body: SamplingFields) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def run(request: Request, server: ServerState, shape: Shape, ids: list[int],
+              params: SamplingParams, stream: bool) -> Any:
+    try:
+        outputs = await server.engine.add_request(shape.request_id, ids, params)
+    except RequestFailed as e:
+        raise unavailable(str(e)) from e
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), param="prompt") from e
+    if stream:
+        return StreamingResponse(
+            stream_events(server, shape, outputs, params.n), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    final = await wait_final(request, server, shape.request_id, outputs)
+    if final is None:  # the client hung up; nobody reads this
+        return Response(status_code=499)
+    return full_response(shape, final)
+
+
+def failure(item: RequestOutput | Exception) -> APIError | None:
+    """The error this output carries, if the engine (or the server) failed this request."""
+    if isinstance(item, RequestFailed):
+        return APIError(503, str(item), "server_error", code="unavailable")
+    if isinstance(item, Exception):
+        return APIError(500, "the engine failed on this request", "server_error")
+    error = getattr(item, "error", None)
+    if error or any(c.finish_reason == "error" for c in item.outputs):
+        return APIError(500, f"the engine failed on this request: {error or 'error'}",
+                        "server_error", code="engine_error")
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def wait_final(request: Request, server: ServerState, request_id: str,
+                     outputs: asyncio.Queue) -> RequestOutput | None:
+    """The last output, or None if the client hung up first (then the request is aborted)."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    final = None
+    try:
+        while final is None:
+            get = asyncio.ensure_future(outputs.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                return None
+            item = get.result()
+            if (error := failure(item)) is not None:
+                raise error
+            final = item if item.finished else None
+        return final
+    finally:
+        gone.cancel()
+        if final is None:  # hung up, failed or cancelled: free the blocks now
+            server.engine.abort(request_id)
+
+
+async def stream_events(server: ServerState, shape: Shape, outputs: asyncio.Queue,
+                        n: int) -> AsyncIterator[str]:
+    sent_role = [False] * n
+    out, finished = None, False
+    try:
+        while not finished:
+            item = await outputs.get()
+            if (error := failure(item)) is not None:
+                yield sse(error.body)
+                break
+            out, finished = item, item.finished
+            for c in out.outputs:
+                if not c.delta_token_ids and not c.delta_text and not c.finish_reason:
+                    continue
+                choice = chunk_choice(shape, c, not sent_role[c.index])
+                sent_role[c.index] = True
+                yield sse(shape.body(chunk_object(shape), [choice]))
+        if finished and shape.usage:
+            yield sse(shape.body(chunk_object(shape), [], usage_of(out)))
+        yield DONE
+    finally:
+        if not finished:  # the client went away, or the request failed: free its blocks now
+            server.engine.abort(shape.request_id)
+
