@@ -37,8 +37,8 @@ from infer_lab.cache import (
     PagedAttentionContext,
     PagedKVCache,
     build_paged_batch,
-    generate_cached,
 )
+from infer_lab.model.baselines import generate_cached
 from infer_lab.model.transformer import Transformer
 
 PROMPT = "And God said, Let there be light"
@@ -111,11 +111,11 @@ def paged_vs_contiguous(model: Transformer, batch: int, context: int, block_size
     num_blocks = 2 * batch * blocks_each
     mgr = BlockManager(num_blocks, block_size)
     for d in range(num_blocks):  # take every block, give them back in a random order
-        mgr.allocate_sequence(("dummy", d), 1)
+        mgr.allocate_slots(("dummy", d), 1)
     for d in torch.randperm(num_blocks, generator=gen).tolist():
-        mgr.free_sequence(("dummy", d))
+        mgr.free(("dummy", d))
     for s in range(batch):
-        mgr.allocate_sequence(s, context + 1)
+        mgr.allocate_slots(s, context + 1)
     paged = PagedKVCache(cfg, num_blocks, block_size, device, dtype)
     for i in range(cfg.num_hidden_layers):  # same (random) cache contents in both layouts
         contiguous.k[i].normal_()

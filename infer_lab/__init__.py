@@ -5,7 +5,7 @@ server stack (FastAPI, uvicorn): a GPU box with only torch and triton runs chapt
 """
 
 from infer_lab.cache import kv_cache_bytes, model_kv_cache_bytes
-from infer_lab.engine import LLM, RequestOutput, SamplingParams
+from infer_lab.engine import LLM, EngineConfig, RequestOutput, SamplingParams
 from infer_lab.model import (
     CheckpointError,
     GenerationOutput,
@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "EngineConfig",
     "GenerationOutput",
     "LLM",
     "ModelConfig",

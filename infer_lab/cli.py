@@ -8,13 +8,13 @@ from collections.abc import Sequence
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from infer_lab.engine import LLMEngine, SamplingParams
+    from infer_lab.engine import EngineConfig, LLMEngine, SamplingParams
     from infer_lab.model.loader import load
 
     model, tok = load(args.model, device=args.device, dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=args.seed)
-    engine = LLMEngine(model, tok, max_num_seqs=1)
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
     engine.add_request("cli", args.prompt, params)
     out = sys.stdout
     out.write(args.prompt)
@@ -30,9 +30,10 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
+    from infer_lab.engine.config import EngineConfig
     from infer_lab.serve.server import make_app, serve
 
-    engine_args = dict(
+    config = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len, policy=args.policy,
@@ -40,13 +41,18 @@ def _serve(args: argparse.Namespace) -> int:
         enable_chunked_prefill=not args.no_chunked_prefill,
     )
     app = make_app(
-        args.model, served_model_name=args.served_model_name, device=args.device,
-        dtype=args.dtype, api_key=args.api_key or os.environ.get("INFER_LAB_API_KEY"),
-        max_body_bytes=args.max_body_bytes, **engine_args,
+        args.model, config=config, served_model_name=args.served_model_name,
+        device=args.device, dtype=args.dtype,
+        api_key=args.api_key or os.environ.get("INFER_LAB_API_KEY"),
+        api_key_all_routes=args.api_key_all_routes, max_body_bytes=args.max_body_bytes,
+        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_tokens=args.max_waiting_tokens, vllm_metric_names=args.vllm_metric_names,
     )
     print(f"infer-lab: serving on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
-          file=sys.stderr)
-    serve(app, args.host, args.port)
+          file=sys.stderr, flush=True)
+    serve(app, args.host, args.port, grace=args.shutdown_grace,
+          limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive)
+    print("infer-lab: stopped", file=sys.stderr)
     return 0
 
 
@@ -84,7 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-chunked-prefill", action="store_true")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (or set INFER_LAB_API_KEY)")
+    srv.add_argument("--api-key-all-routes", action="store_true",
+                     help="with --api-key, also guard /metrics and the docs (/health stays open)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.add_argument("--max-waiting-requests", type=int, default=256,
+                     help="admitted requests waiting for their first token; beyond: 429")
+    srv.add_argument("--max-waiting-tokens", type=int, default=1 << 18,
+                     help="prompt tokens of the waiting requests; beyond: 429")
+    srv.add_argument("--limit-concurrency", type=int, default=1024,
+                     help="open connections and requests at most; beyond: 503")
+    srv.add_argument("--timeout-keep-alive", type=int, default=5,
+                     help="seconds an idle keep-alive connection is kept")
+    srv.add_argument("--shutdown-grace", type=float, default=10.0,
+                     help="seconds in-flight requests may finish after SIGTERM/SIGINT")
+    srv.add_argument("--vllm-metric-names", action="store_true",
+                     help="also export the router gauges under vLLM's names (vllm:...)")
     srv.set_defaults(func=_serve)
 
     from infer_lab.measure.bench import add_bench_parser

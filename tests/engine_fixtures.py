@@ -47,5 +47,5 @@ def assert_no_leak(engine: LLMEngine) -> None:
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert not engine.has_unfinished_requests()
     assert not engine.scheduler.waiting and not engine.scheduler.running
-    assert len(engine.scheduler._free_slots) == engine.scheduler_config.max_num_seqs
+    assert len(engine.scheduler._free_slots) == engine.config.max_num_seqs
     assert engine.scheduler._reserved_slots == 0

@@ -1,4 +1,4 @@
-"""The block pool and block manager of Chapter 3: no block handed out twice, none leaked.
+"""The one block allocator and Chapter 3's manager on it: no block handed out twice, none leaked.
 
 The stateful test keeps a fake cache (one token id per slot) beside the manager and writes every
 sequence's tokens through its slot mapping, so a missing copy-on-write or a block handed to two
@@ -19,39 +19,80 @@ from hypothesis.stateful import (
     rule,
 )
 
-from infer_lab.cache import BlockManager, BlockPool, NoFreeBlocksError
-from infer_lab.cache.block_pool import cdiv
+from infer_lab.cache import BlockManager, BlockPool, NoFreeBlocksError, block_key
+from infer_lab.utils import cdiv
 
 # ------------------------------------------------------------------------------------- the pool
 
 
 def test_pool_allocates_each_block_once_then_signals():
-    pool = BlockPool(4, block_size=8)
-    got = [pool.allocate() for _ in range(4)]
-    assert sorted(got) == [0, 1, 2, 3] and pool.num_free == 0 and not pool.can_allocate(1)
+    pool = BlockPool(4)
+    got = pool.get_new_blocks(4)
+    assert sorted(got) == [0, 1, 2, 3] and pool.num_free_blocks == 0 and not pool.can_allocate(1)
     with pytest.raises(NoFreeBlocksError):
-        pool.allocate()
+        pool.get_new_blocks(1)
     assert issubclass(NoFreeBlocksError, RuntimeError)
-    pool.free(got[2])
+    pool.free_blocks([got[2]])
     assert pool.can_allocate(1) and not pool.can_allocate(2)
-    assert pool.allocate() == got[2]
+    with pytest.raises(NoFreeBlocksError):
+        pool.get_new_blocks(2)
+    assert pool.num_free_blocks == 1  # a request that cannot be met takes nothing
+    assert pool.get_new_blocks(1) == [got[2]]
 
 
 def test_pool_refcounts():
-    pool = BlockPool(2)
-    b = pool.allocate()
-    pool.incref(b)
+    pool = BlockPool(2, enable_caching=False)
+    (b,) = pool.get_new_blocks(1)
+    pool.touch([b])
     assert pool.ref_count(b) == 2
-    pool.free(b)
-    assert pool.num_free == 1 and pool.ref_count(b) == 1  # still held once
-    pool.free(b)
-    assert pool.num_free == 2 and pool.ref_count(b) == 0
+    pool.free_blocks([b])
+    assert pool.num_free_blocks == 1 and pool.ref_count(b) == 1  # still held once
+    pool.free_blocks([b])
+    assert pool.num_free_blocks == 2 and pool.ref_count(b) == 0
     with pytest.raises(ValueError, match="double free"):
-        pool.free(b)
+        pool.free_blocks([b])
     with pytest.raises(ValueError, match="free"):
-        pool.incref(b)
+        pool.touch([b])  # free and unnamed: nothing in it may be read
     with pytest.raises(ValueError, match="outside"):
-        pool.free(2)
+        pool.free_blocks([2])
+
+
+def test_free_queue_is_least_recently_freed_first():
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(4)
+    pool.free_blocks([blocks[2], blocks[0]])
+    pool.free_blocks([blocks[3]])
+    assert pool.free_block_ids() == [blocks[2], blocks[0], blocks[3]]
+    assert pool.get_new_blocks(2) == [blocks[2], blocks[0]]
+
+
+def test_a_named_free_block_can_be_taken_back_until_it_is_reused():
+    pool = BlockPool(3)
+    a, b, c = pool.get_new_blocks(3)
+    key = block_key(None, [1, 2])
+    assert pool.cache_block(a, key) and not pool.cache_block(b, key)  # one block per key
+    pool.free_blocks([c, b, a])
+    assert pool.get_cached_block(key) == a and pool.num_free_blocks == 3
+    pool.touch([a])  # a later request with the same prefix takes it back
+    assert pool.ref_count(a) == 1 and a not in pool.free_block_ids()
+    pool.free_blocks([a])
+    assert pool.get_new_blocks(2) == [c, b]  # least recently freed first: a is kept longest
+    assert pool.get_cached_block(key) == a
+    assert pool.get_new_blocks(1) == [a] and pool.get_cached_block(key) is None  # evicted
+    assert pool.key_of(a) is None and pool.num_cached_blocks == 0
+
+
+def test_keys_chain_the_prefix():
+    first = block_key(None, [1, 2])
+    assert block_key(first, [3, 4]) != block_key(block_key(None, [9, 2]), [3, 4])
+    assert block_key(first, [3, 4]) == block_key(block_key(None, (1, 2)), (3, 4))
+
+
+def test_without_caching_freed_blocks_forget_their_name():
+    pool = BlockPool(2, enable_caching=False)
+    (a,) = pool.get_new_blocks(1)
+    assert not pool.cache_block(a, block_key(None, [1]))
+    assert pool.num_cached_blocks == 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_blocks=0), dict(num_blocks=-3),
@@ -60,9 +101,89 @@ def test_pool_refcounts():
                                     dict(num_blocks=4, block_size=2.5)])
 def test_bad_sizes_raise(kwargs):
     with pytest.raises(ValueError):
-        BlockPool(**kwargs)
-    with pytest.raises(ValueError):
         BlockManager(**kwargs)
+    if "block_size" not in kwargs:
+        with pytest.raises(ValueError):
+            BlockPool(**kwargs)
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """The allocator against a plain model: a list as the free queue, counts, a key map."""
+
+    @initialize(num_blocks=st.integers(1, 10), caching=st.booleans())
+    def setup(self, num_blocks, caching):
+        self.pool = BlockPool(num_blocks, enable_caching=caching)
+        self.caching = caching
+        self.free = list(range(num_blocks))  # the model's free queue, front first
+        self.refs = [0] * num_blocks
+        self.keys: dict[int, object] = {}  # block -> key
+        self.next_key = 0
+
+    @rule(n=st.integers(0, 4))
+    def get_new_blocks(self, n):
+        if n > len(self.free):
+            with pytest.raises(NoFreeBlocksError):
+                self.pool.get_new_blocks(n)
+            return
+        got = self.pool.get_new_blocks(n)
+        assert got == self.free[:n], "blocks must come from the front of the free queue"
+        del self.free[:n]
+        for b in got:
+            self.refs[b] = 1
+            self.keys.pop(b, None)  # handed out again: evicted
+
+    @rule(data=st.data())
+    def touch(self, data):
+        candidates = [b for b, r in enumerate(self.refs) if r > 0 or b in self.keys]
+        if not candidates:
+            return
+        b = data.draw(st.sampled_from(candidates))
+        self.pool.touch([b])
+        if self.refs[b] == 0:
+            self.free.remove(b)
+        self.refs[b] += 1
+
+    @rule(data=st.data())
+    def free_one(self, data):
+        held = [b for b, r in enumerate(self.refs) if r > 0]
+        if not held:
+            return
+        b = data.draw(st.sampled_from(held))
+        self.pool.free_blocks([b])
+        self.refs[b] -= 1
+        if self.refs[b] == 0:
+            self.free.append(b)
+            if not self.caching:
+                self.keys.pop(b, None)
+
+    @rule(data=st.data())
+    def name(self, data):
+        held = [b for b, r in enumerate(self.refs) if r > 0]
+        if not held:
+            return
+        b = data.draw(st.sampled_from(held))
+        self.next_key += 1
+        key = block_key(None, [self.next_key])
+        named = self.pool.cache_block(b, key)
+        assert named == (self.caching and b not in self.keys)
+        if named:
+            self.keys[b] = key
+
+    @invariant()
+    def matches_the_model(self):
+        pool = self.pool
+        assert pool.free_block_ids() == self.free
+        assert [pool.ref_count(b) for b in range(pool.num_blocks)] == self.refs
+        assert pool.num_free_blocks + sum(r > 0 for r in self.refs) == pool.num_blocks
+        assert pool.num_cached_blocks == len(self.keys)
+        for b, key in self.keys.items():
+            assert pool.get_cached_block(key) == b and pool.key_of(b) == key
+
+
+BlockPoolMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, database=None, deadline=None
+)
+TestBlockPool = BlockPoolMachine.TestCase
 
 
 # ---------------------------------------------------------------------------------- the manager
@@ -70,91 +191,94 @@ def test_bad_sizes_raise(kwargs):
 
 def test_tables_grow_a_block_at_a_time():
     mgr = BlockManager(8, block_size=4)
-    table = mgr.allocate_sequence("a", 5)
-    assert len(table) == 2 and mgr.num_free_blocks == 6
-    assert mgr.append_slots("a", 3) == [] and len(mgr.block_table("a")) == 2  # 8 = 2 full blocks
-    mgr.append_slots("a")
+    assert mgr.allocate_slots("a", 5) == []  # no copies
+    assert len(mgr.block_table("a")) == 2 and mgr.num_free_blocks == 6
+    assert mgr.allocate_slots("a", 3) == [] and len(mgr.block_table("a")) == 2  # 8 = 2 full blocks
+    mgr.allocate_slots("a", 1)
     assert len(mgr.block_table("a")) == 3 and mgr.num_tokens("a") == 9
     t = mgr.block_table("a")
     expected = [t[0] * 4 + 3, *(t[1] * 4 + i for i in range(4)), t[2] * 4]
     assert mgr.slot_mapping("a", 3, 9) == expected
     with pytest.raises(ValueError):
         mgr.slot("a", 9)  # not reserved yet
-    mgr.free_sequence("a")
+    mgr.free("a")
     assert mgr.num_free_blocks == 8 and "a" not in mgr
 
 
 def test_fork_then_append_copies_the_shared_partial_block():
     mgr = BlockManager(8, block_size=4)
-    parent = mgr.allocate_sequence("p", 6)  # one full block, one half-full
+    mgr.allocate_slots("p", 6)
+    parent = mgr.block_table("p")  # one full block, one half-full
     mgr.fork("p", "c")
     assert mgr.block_table("c") == parent
     assert [mgr.pool.ref_count(b) for b in parent] == [2, 2]
-    copies = mgr.append_slots("c")
+    copies = mgr.allocate_slots("c", 1)
     (src, dst), = copies
     assert src == parent[1] and dst not in parent
     assert mgr.block_table("c") == [parent[0], dst]
     assert mgr.pool.ref_count(parent[0]) == 2 and mgr.pool.ref_count(src) == 1
-    assert mgr.append_slots("p") == []  # the parent now owns its last block alone: no copy
+    assert mgr.allocate_slots("p", 1) == []  # the parent now owns its last block alone: no copy
     assert mgr.block_table("p") == parent
-    mgr.free_sequence("p")
-    mgr.free_sequence("c")
+    mgr.free("p")
+    mgr.free("c")
     assert mgr.num_free_blocks == 8
 
 
 def test_fork_on_a_block_boundary_needs_no_copy():
     mgr = BlockManager(4, block_size=4)
-    mgr.allocate_sequence("p", 4)
+    mgr.allocate_slots("p", 4)
     mgr.fork("p", "c")
-    assert mgr.append_slots("c") == []
+    assert mgr.allocate_slots("c", 1) == []
     assert mgr.block_table("c")[0] == mgr.block_table("p")[0]
     assert mgr.block_table("c")[1] != mgr.block_table("p")[0]
 
 
 def test_prefix_sharing_increments_refcounts():
     mgr = BlockManager(8, block_size=4)
-    first = mgr.allocate_sequence("a", 10)  # blocks 0, 1 full, 2 partial
+    mgr.allocate_slots("a", 10)
+    first = mgr.block_table("a")  # blocks 0, 1 full, 2 partial
     shared = first[:2]
-    second = mgr.allocate_sequence("b", 11, prefix_blocks=shared)
+    mgr.allocate_slots("b", 3, computed_blocks=shared)
+    second = mgr.block_table("b")
     assert second[:2] == shared and second[2] not in first
     assert [mgr.pool.ref_count(b) for b in first] == [2, 2, 1]
     assert mgr.num_free_blocks == 8 - 4
-    mgr.free_sequence("a")
+    mgr.free("a")
     assert [mgr.pool.ref_count(b) for b in shared] == [1, 1] and mgr.num_free_blocks == 5
-    with pytest.raises(ValueError):
-        mgr.allocate_sequence("c", 7, prefix_blocks=shared)  # 2 blocks hold 8 > 7 tokens
+    with pytest.raises(ValueError, match="already has blocks"):
+        mgr.allocate_slots("b", 1, computed_blocks=shared)  # computed blocks start a table
     with pytest.raises(ValueError, match="free"):
-        mgr.allocate_sequence("c", 12, prefix_blocks=[first[2]])  # freed with "a"
+        mgr.allocate_slots("c", 4, computed_blocks=[first[2]])  # freed with "a"
 
 
 def test_out_of_blocks_is_signalled_and_changes_nothing():
     mgr = BlockManager(3, block_size=4)
-    mgr.allocate_sequence("a", 8)
-    assert not mgr.can_allocate(5) and mgr.can_allocate(4)
+    mgr.allocate_slots("a", 8)
+    assert not mgr.can_allocate("b", 5) and mgr.can_allocate("b", 4)
     with pytest.raises(NoFreeBlocksError):
-        mgr.allocate_sequence("b", 5)
+        mgr.allocate_slots("b", 5)
     assert "b" not in mgr and mgr.num_free_blocks == 1
     mgr.fork("a", "c")
-    mgr.append_slots("a", 4)  # takes the last block
-    assert not mgr.can_append("c", 1)
+    mgr.allocate_slots("a", 4)  # takes the last block
+    assert not mgr.can_allocate("c", 1)
     with pytest.raises(NoFreeBlocksError):
-        mgr.append_slots("c", 1)
+        mgr.allocate_slots("c", 1)
     assert mgr.num_tokens("c") == 8 and mgr.num_free_blocks == 0
 
 
 def test_misuse_raises():
     mgr = BlockManager(4, block_size=4)
-    mgr.allocate_sequence("a", 3)
+    mgr.allocate_slots("a", 3)
     with pytest.raises(ValueError):
-        mgr.allocate_sequence("a", 3)
+        mgr.allocate_slots("a", 0)
     with pytest.raises(ValueError):
-        mgr.allocate_sequence("b", 0)
+        mgr.allocate_slots("b", 0)
     with pytest.raises(KeyError):
-        mgr.append_slots("nope")
+        mgr.block_table("nope")
     with pytest.raises(ValueError):
         mgr.fork("a", "a")
     with pytest.raises(KeyError):
-        mgr.free_sequence("nope")
+        mgr.free("nope")
 
 
 # ------------------------------------------------------------------------ the stateful property
@@ -189,11 +313,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(target=seqs, n=st.integers(1, 10))
     def allocate(self, n):
         seq = self._new_id()
-        if not self.mgr.can_allocate(n):
+        if not self.mgr.can_allocate(seq, n):
             with pytest.raises(NoFreeBlocksError):
-                self.mgr.allocate_sequence(seq, n)
+                self.mgr.allocate_slots(seq, n)
             return seq  # never created: later rules see it is not in the manager
-        self.mgr.allocate_sequence(seq, n)
+        self.mgr.allocate_slots(seq, n)
         self.tokens[seq] = self._fresh(n)
         self._write(seq, 0, self.tokens[seq])
         return seq
@@ -204,15 +328,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return src
         k = min(k, self.mgr.num_tokens(src) // self.bs)  # only full blocks can be shared
         prefix = self.mgr.block_table(src)[:k]
-        n = k * self.bs + extra
-        if n == 0:
+        if extra == 0:
             return src
         seq = self._new_id()
-        if not self.mgr.can_allocate(n, num_prefix_blocks=k):
+        if not self.mgr.can_allocate(seq, extra, computed_blocks=prefix):
             with pytest.raises(NoFreeBlocksError):
-                self.mgr.allocate_sequence(seq, n, prefix_blocks=prefix)
+                self.mgr.allocate_slots(seq, extra, computed_blocks=prefix)
             return seq
-        self.mgr.allocate_sequence(seq, n, prefix_blocks=prefix)
+        self.mgr.allocate_slots(seq, extra, computed_blocks=prefix)
         self.tokens[seq] = self.tokens[src][: k * self.bs] + self._fresh(extra)
         self._write(seq, k * self.bs, self.tokens[seq][k * self.bs:])
         return seq
@@ -222,13 +345,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if seq not in self.tokens:
             return
         before = self.mgr.num_tokens(seq)
-        if not self.mgr.can_append(seq, n):
+        if not self.mgr.can_allocate(seq, n):
             free = self.mgr.num_free_blocks
             with pytest.raises(NoFreeBlocksError):
-                self.mgr.append_slots(seq, n)
+                self.mgr.allocate_slots(seq, n)
             assert self.mgr.num_tokens(seq) == before and self.mgr.num_free_blocks == free
             return
-        for src, dst in self.mgr.append_slots(seq, n):
+        for src, dst in self.mgr.allocate_slots(seq, n):
             for i in range(self.bs):
                 if src * self.bs + i in self.cache:
                     self.cache[dst * self.bs + i] = self.cache[src * self.bs + i]
@@ -248,7 +371,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(seq=consumes(seqs))
     def free(self, seq):
         if seq in self.tokens:
-            self.mgr.free_sequence(seq)
+            self.mgr.free(seq)
             del self.tokens[seq]
 
     @invariant()
@@ -262,14 +385,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         pool = self.mgr.pool
         free = pool.free_block_ids()
         assert len(free) == len(set(free)), "a block is on the free list twice"
-        holders = [0] * pool.num_total
+        holders = [0] * pool.num_blocks
         for seq in self.tokens:
             table = self.mgr.block_table(seq)
             assert len(table) == len(set(table)), "a table holds a block twice"
             assert len(table) == cdiv(self.mgr.num_tokens(seq), self.bs)
             for b in table:
                 holders[b] += 1
-        for b in range(pool.num_total):
+        for b in range(pool.num_blocks):
             assert pool.ref_count(b) == holders[b]
             assert (b in free) == (holders[b] == 0), f"block {b} leaked or handed out while free"
         assert set(self.mgr.seq_ids()) == set(self.tokens)
@@ -278,8 +401,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "mgr"):
             return
         for seq in list(self.tokens):
-            self.mgr.free_sequence(seq)
-        assert self.mgr.num_free_blocks == self.mgr.pool.num_total
+            self.mgr.free(seq)
+        assert self.mgr.num_free_blocks == self.mgr.pool.num_blocks
 
 
 BlockManagerMachine.TestCase.settings = settings(

@@ -12,12 +12,12 @@ from infer_lab.cache import (
     PUBLISHED,
     ContiguousAttentionContext,
     ContiguousKVCache,
-    generate_cached,
     kv_bytes_per_token,
     kv_cache_bytes,
     plan_memory,
 )
 from infer_lab.cache.published import FALCON_7B, LLAMA_3_8B, LLAMA_3_70B, attention_kind
+from infer_lab.model.baselines import generate_cached
 from tests.helpers import assert_greedy_equal, make_checkpoint
 
 # ---------------------------------------------------------------------------------------- sizing

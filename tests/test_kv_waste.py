@@ -32,16 +32,16 @@ def test_paged_usage_matches_a_block_manager_replay():
         mgr = BlockManager(10_000, bs)
         reserved = used = 0
         for i, r in enumerate(reqs):
-            mgr.allocate_sequence(i, r.prompt_len)
+            mgr.allocate_slots(i, r.prompt_len)
         for step in range(max(r.output_len for r in reqs)):
             for i, r in enumerate(reqs):
                 if step < r.output_len:
                     if step > 0:
-                        mgr.append_slots(i, 1)
+                        mgr.allocate_slots(i, 1)
                     reserved += len(mgr.block_table(i)) * bs
                     used += mgr.num_tokens(i)
                 if step == r.output_len - 1:
-                    mgr.free_sequence(i)
+                    mgr.free(i)
         assert kv_usage(reqs, "paged", block_size=bs) == KVUsage(f"paged/{bs}", reserved, used)
         assert mgr.num_free_blocks == 10_000
 

@@ -13,11 +13,10 @@ from infer_lab.cache import (
     PagedAttentionContext,
     PagedKVCache,
     build_paged_batch,
-    generate_paged,
     paged_attention_ref,
 )
-from infer_lab.cache.paged import default_num_blocks
 from infer_lab.model.attention import causal_attention
+from infer_lab.model.baselines import default_num_blocks, generate_paged
 from tests.helpers import assert_greedy_equal, make_checkpoint
 
 # ------------------------------------------------------------ the reference vs dense attention
@@ -189,7 +188,7 @@ def test_generate_paged_equals_naive_and_frees_every_block(model, block_size):
     mgr = BlockManager(num_blocks=40, block_size=block_size)
     # 20 new tokens: every sequence crosses block boundaries and goes past mistral's window of 8.
     outs = generate_paged(m, tok, PROMPTS, max_tokens=20, ignore_eos=True, block_manager=mgr)
-    assert mgr.num_free_blocks == mgr.pool.num_total and not mgr.seq_ids()
+    assert mgr.num_free_blocks == mgr.pool.num_blocks and not mgr.seq_ids()
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ref = il.generate_naive(m, tok, prompt, max_tokens=20, ignore_eos=True)
         assert out.prompt_token_ids == ref.prompt_token_ids and len(out.token_ids) == 20
@@ -211,7 +210,7 @@ def test_default_pool_is_exactly_enough_and_one_block_less_is_signalled(model):
 def prefill_logits(m, cache, mgr, seq, ids, start):
     """Run ``ids[start:]`` as one chunk of sequence ``seq`` whose first ``start`` are cached."""
     batch = build_paged_batch([(ids[start:], start, mgr.block_table(seq))], mgr.block_size,
-                              mgr.pool.num_total)
+                              mgr.pool.num_blocks)
     return m(batch.input_ids, batch.positions, PagedAttentionContext(cache, batch))[0]
 
 
@@ -222,12 +221,12 @@ def test_chunked_prefill_and_shared_prefix_match_the_plain_forward(model):
     mgr = BlockManager(num_blocks=12, block_size=4)
     cache = PagedKVCache(m.config, 12, 4)
     # Chunked prefill: 7 tokens, then 12 more starting mid-block, attending to the cached 7.
-    mgr.allocate_sequence("a", 7)
+    mgr.allocate_slots("a", 7)
     prefill_logits(m, cache, mgr, "a", ids[:7], 0)
-    mgr.append_slots("a", 12)
+    mgr.allocate_slots("a", 12)
     torch.testing.assert_close(prefill_logits(m, cache, mgr, "a", ids, 7), full,
                                atol=1e-4, rtol=1e-4)
     # Prefix sharing: "b" has the same first 8 tokens, reuses a's two full blocks, computes 11.
-    mgr.allocate_sequence("b", 19, prefix_blocks=mgr.block_table("a")[:2])
+    mgr.allocate_slots("b", 11, computed_blocks=mgr.block_table("a")[:2])
     torch.testing.assert_close(prefill_logits(m, cache, mgr, "b", ids, 8), full,
                                atol=1e-4, rtol=1e-4)

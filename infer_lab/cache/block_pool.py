@@ -1,113 +1,197 @@
-"""Fixed-size KV blocks, their free list and reference counts, and per-sequence block tables.
+"""The KV block allocator, and Chapter 3's per-sequence block tables on top of it.
 
 Chapter 3's idea in plain Python: instead of reserving ``max_len`` slots per sequence up front, the
 cache is cut into blocks of ``block_size`` token slots (each block covers every layer), and a
-sequence owns a *block table*, the list of blocks holding its tokens in order. A block can be held
-by several sequences at once (a forked sequence, a shared prompt prefix); its reference count says
-by how many, and it goes back to the free list when the last holder lets go.
+sequence owns a *block table*, the list of blocks holding its tokens in order.
 
-Running out of blocks is a normal condition, not a bug: :meth:`BlockPool.allocate` raises
-:class:`NoFreeBlocksError`, and ``can_allocate`` / ``num_blocks_needed`` let a scheduler ask first.
+:class:`BlockPool` is the one allocator of the package: Chapter 3's :class:`BlockManager` and the
+engine's :class:`~infer_lab.engine.kv_cache_manager.KVCacheManager` both sit on it (the way vLLM
+v1 composes its ``KVCacheManager`` over a ``BlockPool``). It keeps
+
+- a **free queue** in least-recently-freed order: a freed block goes to the back, new blocks come
+  from the front, so a block freed a moment ago is reused last;
+- a **reference count** per block: a block can be held by several sequences at once (a fork, a
+  shared prompt prefix), and goes back to the free queue when the last holder lets go;
+- the **prefix map** from a block key (a name for the tokens a full block holds, and everything
+  before them) to the block. A named block keeps its name and contents while it sits in the free
+  queue; a later sequence with the same prefix can take it back (:meth:`BlockPool.touch`). It loses
+  its name only when it is handed out again for something else (eviction).
+
+Running out of blocks is a normal condition, not a bug: :meth:`BlockPool.get_new_blocks` raises
+:class:`NoFreeBlocksError`, and ``num_free_blocks`` / ``can_allocate`` let a scheduler ask first.
 Operations that need several blocks check first and change nothing when they cannot complete.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from infer_lab.cache.batch import slot_mapping
+from infer_lab.utils import cdiv, check_positive_int
 
 SeqId = Hashable
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
 
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has fewer free blocks than the request needs (a scheduler preempts or waits)."""
 
 
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or int(value) != value or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def block_key(parent: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
+    """The name of a full block: its tokens and, through ``parent``, every token before them.
 
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: how many blocks of ``b`` slots ``a`` tokens need."""
-    return -(-a // b)
+    Two blocks with equal tokens after different prefixes hold different K/V (attention mixed the
+    prefix in), so the key must include the prefix; chaining the previous key's hash does that in
+    constant size.
+    """
+    return (0 if parent is None else hash(parent), tuple(tokens))
 
 
 class BlockPool:
-    """``num_blocks`` blocks of ``block_size`` slots: a free list plus a reference count per block.
+    """``num_blocks`` KV blocks: the free queue, reference counts and the prefix map.
 
-    A block is either free (in the free list, ref count 0) or in use (ref count >= 1), never both.
+    A block is either free (in the free queue, ref count 0) or in use (ref count >= 1), never both.
+    A free block may still carry a key (its contents are a cached prefix) until it is handed out.
+    ``enable_caching=False`` makes freed blocks forget their contents at once.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
-        _check_positive("num_blocks", num_blocks)
-        _check_positive("block_size", block_size)
-        self.block_size = int(block_size)
-        self._ref_counts = [0] * int(num_blocks)
-        # FIFO: a freed block goes to the back, so recently freed blocks are reused last
-        # (the order vLLM keeps so that a freed prefix stays cached as long as possible).
-        self._free: deque[int] = deque(range(int(num_blocks)))
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        self.num_blocks = check_positive_int("num_blocks", num_blocks)
+        self.enable_caching = enable_caching
+        # An ordered dict as the free queue: append and pop at the ends, and O(1) removal from the
+        # middle when a cached block is taken back.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._ref = [0] * num_blocks
+        self._key: list[BlockKey | None] = [None] * num_blocks
+        self._cached: dict[BlockKey, int] = {}
 
+    # ------------------------------------------------------------------ queries
     @property
-    def num_total(self) -> int:
-        return len(self._ref_counts)
-
-    @property
-    def num_free(self) -> int:
+    def num_free_blocks(self) -> int:
         return len(self._free)
 
-    def can_allocate(self, n: int = 1) -> bool:
-        """True when ``n`` blocks can be allocated right now."""
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that carry a key (in use or free)."""
+        return len(self._cached)
+
+    def can_allocate(self, n: int) -> bool:
+        """True when ``n`` new blocks can be handed out right now."""
         return n <= len(self._free)
 
     def free_block_ids(self) -> list[int]:
-        """The free list, in the order blocks will be handed out (for inspection and tests)."""
+        """The free queue, in the order blocks will be handed out (for inspection and tests)."""
         return list(self._free)
 
     def ref_count(self, block: int) -> int:
         self._check_block(block)
-        return self._ref_counts[block]
+        return self._ref[block]
 
-    def allocate(self) -> int:
-        """Take a free block (ref count becomes 1); raises :class:`NoFreeBlocksError` if none."""
-        if not self._free:
-            raise NoFreeBlocksError(f"all {self.num_total} KV blocks are in use")
-        block = self._free.popleft()
-        self._ref_counts[block] = 1
-        return block
-
-    def incref(self, block: int) -> None:
-        """One more holder of an in-use block (a fork or a shared prefix)."""
+    def key_of(self, block: int) -> BlockKey | None:
         self._check_block(block)
-        if self._ref_counts[block] == 0:
-            raise ValueError(f"block {block} is free; only an allocated block can be shared")
-        self._ref_counts[block] += 1
+        return self._key[block]
 
-    def free(self, block: int) -> None:
-        """One holder fewer; the block returns to the free list when nobody holds it."""
-        self._check_block(block)
-        if self._ref_counts[block] == 0:
-            raise ValueError(f"block {block} is already free (double free)")
-        self._ref_counts[block] -= 1
-        if self._ref_counts[block] == 0:
-            self._free.append(block)
+    def get_cached_block(self, key: BlockKey) -> int | None:
+        """The block named ``key``, in use or free, or None."""
+        return self._cached.get(key)
+
+    # ------------------------------------------------------------------ changes
+    def get_new_blocks(self, n: int) -> list[int]:
+        """Take ``n`` blocks from the front of the free queue (each with ref count 1).
+
+        A taken block that still carried a key is evicted: its contents are about to be
+        overwritten. Raises :class:`NoFreeBlocksError`, taking nothing, if fewer are free.
+        """
+        free = self._free
+        if n > len(free):
+            raise NoFreeBlocksError(f"need {n} KV blocks but only {len(free)} of "
+                                    f"{self.num_blocks} are free")
+        out = []
+        for _ in range(n):
+            block, _ = free.popitem(last=False)
+            key = self._key[block]
+            if key is not None:
+                del self._cached[key]
+                self._key[block] = None
+            self._ref[block] = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """One more holder of each block (a fork, a shared prefix).
+
+        A free block can be taken back only if it carries a key: then its contents are a cached
+        prefix and it leaves the free queue. A free block without a key holds nothing anyone may
+        read, so touching it is a bug and raises.
+        """
+        for block in blocks:
+            self._check_block(block)
+            if self._ref[block] == 0:
+                if self._key[block] is None:
+                    raise ValueError(f"block {block} is free and holds no cached prefix; only an "
+                                     "allocated or cached block can be shared")
+                del self._free[block]
+            self._ref[block] += 1
+
+    def free_blocks(self, blocks: Iterable[int]) -> None:
+        """One holder fewer for each block, in order; a block nobody holds joins the free queue.
+
+        Callers pass a table's blocks last first, so that the tail of a sequence is evicted before
+        its prefix (the prefix is the part other requests are likely to share).
+        """
+        ref, free, num_blocks = self._ref, self._free, self.num_blocks
+        for block in blocks:
+            if not 0 <= block < num_blocks or ref[block] <= 0:
+                self._check_block(block)
+                raise ValueError(f"block {block} is already free (double free)")
+            ref[block] -= 1
+            if ref[block] == 0:
+                free[block] = None
+                if not self.enable_caching and self._key[block] is not None:
+                    self._forget(block)
+
+    def cache_block(self, block: int, key: BlockKey) -> bool:
+        """Name the full, in-use ``block`` by ``key``; False if the key or the block is taken."""
+        if not self.enable_caching or self._key[block] is not None or key in self._cached:
+            return False
+        if self._ref[block] == 0:
+            raise ValueError(f"block {block} is free; only a block in use can be named")
+        self._cached[key] = block
+        self._key[block] = key
+        return True
+
+    def _forget(self, block: int) -> None:
+        del self._cached[self._key[block]]
+        self._key[block] = None
 
     def _check_block(self, block: int) -> None:
-        if not 0 <= block < self.num_total:
-            raise ValueError(f"block {block} is outside the pool of {self.num_total} blocks")
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or not (
+            0 <= block < self.num_blocks
+        ):
+            raise ValueError(f"block {block!r} is outside the pool of {self.num_blocks} blocks")
 
 
 class BlockManager:
-    """Per-sequence block tables on top of a :class:`BlockPool` (vLLM's block manager).
+    """Per-sequence block tables on top of a :class:`BlockPool` (Chapter 3).
 
-    It only does bookkeeping; the tensors live in the cache. Where a shared block must be copied
-    before a sequence writes into it (copy-on-write), :meth:`append_slots` returns the
-    ``(src, dst)`` block pairs and the caller copies them (``PagedKVCache.copy_blocks``).
+    It only does bookkeeping; the tensors live in the cache. The vocabulary is vLLM's:
+    :meth:`allocate_slots` makes a sequence's table cover ``num_new`` more tokens (creating the
+    table, possibly over ``computed_blocks`` shared with another sequence), :meth:`free` gives it
+    back. Where a shared block must be copied before a sequence writes into it (copy-on-write),
+    :meth:`allocate_slots` returns the ``(src, dst)`` block pairs and the caller copies them
+    (``PagedKVCache.copy_blocks``).
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
-        self.pool = BlockPool(num_blocks, block_size)
-        self.block_size = self.pool.block_size
+        self.block_size = check_positive_int("block_size", block_size)
+        self.pool = BlockPool(num_blocks, enable_caching=False)
         self._tables: dict[SeqId, list[int]] = {}
         self._num_tokens: dict[SeqId, int] = {}
 
@@ -117,7 +201,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        return self.pool.num_free_blocks
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """The blocks holding ``seq_id``'s tokens, in order (a copy)."""
@@ -131,69 +215,57 @@ class BlockManager:
     def seq_ids(self) -> list[SeqId]:
         return list(self._tables)
 
-    def num_blocks_needed(self, seq_id: SeqId, n: int = 1) -> int:
-        """Fresh blocks that appending ``n`` tokens to ``seq_id`` takes (copy-on-write included)."""
-        table, used = self._table(seq_id), self._num_tokens[seq_id]
-        needed = cdiv(used + n, self.block_size) - len(table)
-        if self._last_block_shared_and_partial(seq_id) and n > 0:
+    def num_blocks_needed(
+        self, seq_id: SeqId, num_new: int = 1, computed_blocks: Sequence[int] = ()
+    ) -> int:
+        """Fresh blocks that :meth:`allocate_slots` with these arguments takes (copy included)."""
+        if seq_id not in self._tables:
+            return cdiv(len(computed_blocks) * self.block_size + num_new, self.block_size) - len(
+                computed_blocks)
+        table, used = self._tables[seq_id], self._num_tokens[seq_id]
+        needed = cdiv(used + num_new, self.block_size) - len(table)
+        if num_new > 0 and self._last_block_shared_and_partial(seq_id):
             needed += 1
         return needed
 
-    def can_append(self, seq_id: SeqId, n: int = 1) -> bool:
-        return self.pool.can_allocate(self.num_blocks_needed(seq_id, n))
-
-    def can_allocate(self, num_tokens: int, num_prefix_blocks: int = 0) -> bool:
-        """Whether a new sequence of ``num_tokens`` tokens fits (its first blocks shared)."""
-        return self.pool.can_allocate(cdiv(num_tokens, self.block_size) - num_prefix_blocks)
+    def can_allocate(
+        self, seq_id: SeqId, num_new: int = 1, computed_blocks: Sequence[int] = ()
+    ) -> bool:
+        return self.pool.can_allocate(self.num_blocks_needed(seq_id, num_new, computed_blocks))
 
     # ------------------------------------------------------------------ changes
-    def allocate_sequence(
-        self, seq_id: SeqId, num_tokens: int, prefix_blocks: Sequence[int] = ()
-    ) -> list[int]:
-        """Block table for a new sequence of ``num_tokens`` tokens.
+    def allocate_slots(
+        self, seq_id: SeqId, num_new: int, computed_blocks: Sequence[int] = ()
+    ) -> list[tuple[int, int]]:
+        """Reserve slots for ``num_new`` more tokens of ``seq_id``; returns the block copies to do.
 
-        ``prefix_blocks`` are existing *full* blocks that already hold this sequence's first
-        ``len(prefix_blocks) * block_size`` tokens (a shared prompt prefix): they are shared by
-        reference count instead of being allocated and recomputed.
-        """
-        if seq_id in self._tables:
-            raise ValueError(f"sequence {seq_id!r} already has blocks")
-        _check_positive("num_tokens", num_tokens)
-        if len(prefix_blocks) * self.block_size > num_tokens:
-            raise ValueError(
-                f"{len(prefix_blocks)} prefix blocks hold more than the {num_tokens} tokens given"
-            )
-        for block in prefix_blocks:
-            if self.pool.ref_count(block) == 0:
-                raise ValueError(f"prefix block {block} is free, so it holds no prefix")
-        fresh = cdiv(num_tokens, self.block_size) - len(prefix_blocks)
-        self._require(fresh)
-        for block in prefix_blocks:
-            self.pool.incref(block)
-        table = list(prefix_blocks) + [self.pool.allocate() for _ in range(fresh)]
-        self._tables[seq_id], self._num_tokens[seq_id] = table, int(num_tokens)
-        return list(table)
-
-    def append_slots(self, seq_id: SeqId, n: int = 1) -> list[tuple[int, int]]:
-        """Reserve slots for ``n`` more tokens; returns the ``(src, dst)`` block copies to do.
+        A sequence not seen before gets a table; ``computed_blocks`` are existing *full* blocks
+        that already hold its first ``len(computed_blocks) * block_size`` tokens (a shared prompt
+        prefix): they are shared by reference count instead of being allocated and recomputed, and
+        ``num_new`` counts only the tokens after them.
 
         A new block is allocated when the last one is full. When the last block is partly filled
         and shared (after :meth:`fork`), this sequence gets its own copy first (copy-on-write),
         because its next token would otherwise overwrite a slot another sequence will write.
         """
-        _check_positive("n", n)
-        table = self._table(seq_id)
-        self._require(self.num_blocks_needed(seq_id, n))
+        check_positive_int("num_new", num_new)
+        if seq_id not in self._tables:
+            return self._new_table(seq_id, num_new, computed_blocks)
+        if computed_blocks:
+            raise ValueError(f"sequence {seq_id!r} already has blocks; computed blocks can only "
+                             "start a new table")
+        table = self._tables[seq_id]
+        self._require(self.num_blocks_needed(seq_id, num_new))
         copies = []
         if self._last_block_shared_and_partial(seq_id):
             src = table[-1]
-            dst = self.pool.allocate()
-            self.pool.free(src)  # drops this sequence's reference only; the other holder keeps it
+            (dst,) = self.pool.get_new_blocks(1)
+            self.pool.free_blocks([src])  # this sequence's reference only; the other keeps it
             table[-1] = dst
             copies.append((src, dst))
-        self._num_tokens[seq_id] += n
-        while len(table) * self.block_size < self._num_tokens[seq_id]:
-            table.append(self.pool.allocate())
+        self._num_tokens[seq_id] += num_new
+        fresh = cdiv(self._num_tokens[seq_id], self.block_size) - len(table)
+        table += self.pool.get_new_blocks(fresh)
         return copies
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
@@ -201,28 +273,24 @@ class BlockManager:
         table = self._table(parent_id)
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id!r} already has blocks")
-        for block in table:
-            self.pool.incref(block)
+        self.pool.touch(table)
         self._tables[child_id] = list(table)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
 
-    def free_sequence(self, seq_id: SeqId) -> None:
+    def free(self, seq_id: SeqId) -> None:
         """Release ``seq_id``'s blocks (shared ones stay with their other holders)."""
         table = self._table(seq_id)
-        for block in reversed(table):  # tail first: the prefix blocks stay cached longest
-            self.pool.free(block)
+        self.pool.free_blocks(reversed(table))
         del self._tables[seq_id], self._num_tokens[seq_id]
 
     # ------------------------------------------------------------------ slots
     def slot(self, seq_id: SeqId, position: int) -> int:
         """Flat cache slot of the token at ``position``: block_id * block_size + offset."""
-        table = self._table(seq_id)
-        if not 0 <= position < self._num_tokens[seq_id]:
-            raise ValueError(
-                f"position {position} is outside the {self._num_tokens[seq_id]} slots of "
-                f"sequence {seq_id!r}"
-            )
-        return table[position // self.block_size] * self.block_size + position % self.block_size
+        used = self.num_tokens(seq_id)
+        if not 0 <= position < used:
+            raise ValueError(f"position {position} is outside the {used} slots of sequence "
+                             f"{seq_id!r}")
+        return self.slot_mapping(seq_id, position, position + 1)[0]
 
     def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
         """Slots of the tokens at positions ``start .. end-1`` (where their K/V are written)."""
@@ -231,9 +299,22 @@ class BlockManager:
             raise ValueError(
                 f"positions {start}..{end - 1} are outside the {used} slots of sequence {seq_id!r}"
             )
-        return slot_mapping_for(table, start, end, self.block_size)
+        rows = np.zeros(end - start, np.int64)
+        return slot_mapping(np.asarray([table], np.int64), rows, np.arange(start, end),
+                            self.block_size).tolist()
 
     # ------------------------------------------------------------------ internals
+    def _new_table(self, seq_id: SeqId, num_new: int, computed: Sequence[int]) -> list:
+        for block in computed:
+            if self.pool.ref_count(block) == 0:
+                raise ValueError(f"computed block {block} is free, so it holds no prefix")
+        self._require(self.num_blocks_needed(seq_id, num_new, computed))
+        self.pool.touch(computed)
+        fresh = self.num_blocks_needed(seq_id, num_new, computed)
+        self._tables[seq_id] = list(computed) + self.pool.get_new_blocks(fresh)
+        self._num_tokens[seq_id] = len(computed) * self.block_size + num_new
+        return []
+
     def _table(self, seq_id: SeqId) -> list[int]:
         try:
             return self._tables[seq_id]
@@ -248,13 +329,6 @@ class BlockManager:
     def _require(self, n: int) -> None:
         if not self.pool.can_allocate(n):
             raise NoFreeBlocksError(
-                f"need {n} KV blocks but only {self.pool.num_free} of {self.pool.num_total} "
-                "are free"
+                f"need {n} KV blocks but only {self.pool.num_free_blocks} of "
+                f"{self.pool.num_blocks} are free"
             )
-
-
-def slot_mapping_for(
-    block_table: Sequence[int], start: int, end: int, block_size: int
-) -> list[int]:
-    """Slots of positions ``start .. end-1`` of a sequence with ``block_table`` (no manager)."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

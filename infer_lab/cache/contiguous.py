@@ -9,15 +9,10 @@ the paged cache removes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
 from infer_lab.model.config import ModelConfig
-from infer_lab.model.generate import GenerationOutput, prepare_batch
-from infer_lab.model.tokenizer import Tokenizer
-from infer_lab.model.transformer import Transformer
 
 
 class ContiguousKVCache:
@@ -98,61 +93,3 @@ class ContiguousAttentionContext:
             enable_gqa=qb.shape[1] != keys.shape[1],
         )
         return out.transpose(1, 2).flatten(0, 1)
-
-
-@torch.inference_mode()
-def generate_cached(
-    model: Transformer,
-    tokenizer: Tokenizer,
-    prompts: Sequence[str | Sequence[int]],
-    max_tokens: int = 32,
-    ignore_eos: bool = False,
-) -> list[GenerationOutput]:
-    """Greedy continuations of a static batch with a contiguous KV cache.
-
-    Prompts are right-padded to the longest; one prefill step fills the cache, then every decode
-    step runs all ``B`` rows, one token each, at each row's own length. Rows that have finished
-    keep being computed (their output is ignored) until the last one finishes: that is the
-    static-batching cost Chapter 5 removes.
-    """
-    cfg = model.config
-    ids, budgets, stops = prepare_batch(model, tokenizer, prompts, max_tokens, ignore_eos)
-    batch, lens = len(ids), [len(p) for p in ids]
-    cache = ContiguousKVCache(cfg, batch, max(lens) + max_tokens, model.device, model.dtype)
-    device = model.device
-
-    # Prefill: the padded [B, S] prompt block, logits at each row's last real token.
-    width = max(lens)
-    padded = torch.zeros(batch, width, dtype=torch.long, device=device)
-    for b, p in enumerate(ids):
-        padded[b, : len(p)] = torch.tensor(p, device=device)
-    last = torch.tensor([b * width + n - 1 for b, n in enumerate(lens)], device=device)
-    ctx = ContiguousAttentionContext(cache, torch.zeros(batch, dtype=torch.long), width, last)
-    logits = model(padded.flatten(), ctx.positions.flatten(), ctx)
-
-    outs: list[list[int]] = [[] for _ in ids]
-    done = [False] * batch
-    while True:
-        tokens = logits.argmax(-1).tolist()
-        for b, t in enumerate(tokens):
-            if done[b]:
-                continue
-            outs[b].append(t)
-            done[b] = t in stops or len(outs[b]) >= budgets[b]
-            if not done[b]:
-                lens[b] += 1  # the new token will be written at position lens[b] - 1
-        if all(done):
-            break
-        # Decode: row b feeds its last token at position lens[b] - 1; finished rows recompute
-        # a dummy token in place (they no longer advance).
-        feed = torch.tensor([o[-1] for o in outs], device=device)
-        start = torch.tensor([n - 1 for n in lens])
-        ctx = ContiguousAttentionContext(cache, start, 1)
-        logits = model(feed, ctx.positions.flatten(), ctx)
-
-    return [
-        GenerationOutput(
-            tokenizer.decode(o), o, p, "stop" if o and o[-1] in stops else "length"
-        )
-        for o, p in zip(outs, ids, strict=True)
-    ]

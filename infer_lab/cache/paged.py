@@ -1,10 +1,11 @@
 """The paged KV cache of Chapter 3 and its plain-torch attention backend.
 
 The cache is a pool of blocks ``[num_blocks, block_size, kv_heads, head_dim]`` per layer. A step of
-the engine is one *flattened ragged batch* (DESIGN.md): every sequence's new tokens end to end, no
-padding, described by a :class:`PagedBatch` — where each new token's K/V goes (``slot_mapping``),
-which blocks hold each sequence (``block_tables``), how long each sequence is after the step
-(``context_lens``) and where each sequence's query chunk sits in the flat batch (``cu_seqlens_q``).
+the engine is one *flattened ragged batch* (:mod:`infer_lab.cache.batch`): every sequence's new
+tokens end to end, no padding, described by a :class:`PagedBatch` — where each new token's K/V
+goes (``slot_mapping``), which blocks hold each sequence (``block_tables``), how long each
+sequence is after the step (``context_lens``) and where each sequence's query chunk sits in the
+flat batch (``cu_seqlens_q``).
 
 A query chunk is always the *last* ``q_len`` tokens of its sequence: it starts at position
 ``context_len - q_len``, which may be in the middle of the sequence (chunked prefill, a prefix
@@ -17,20 +18,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from infer_lab import kernels
-from infer_lab.cache.block_pool import BlockManager, cdiv, slot_mapping_for
+from infer_lab.cache.batch import PAD_BLOCK, PagedBatch, build_paged_batch, check_blocks
 from infer_lab.model.attention import causal_mask
 from infer_lab.model.config import ModelConfig
-from infer_lab.model.generate import GenerationOutput, prepare_batch
-from infer_lab.model.tokenizer import Tokenizer
-from infer_lab.model.transformer import Transformer
+from infer_lab.utils import cdiv
 
-PAD_BLOCK = -1  # block-table padding; never read, because context_lens bounds every lookup
+__all__ = ["PAD_BLOCK", "PagedAttentionContext", "PagedBatch", "PagedKVCache",
+           "build_paged_batch", "paged_attention_ref"]
 
 
 class PagedKVCache:
@@ -70,92 +69,6 @@ class PagedKVCache:
             self.kv[:, :, dst] = self.kv[:, :, src]
 
 
-@dataclass
-class PagedBatch:
-    """One step's flattened ragged batch: ``T`` new tokens from ``B`` sequences.
-
-    - ``input_ids``, ``positions``, ``slot_mapping``: ``[T]``; the token, its position in its
-      sequence, and the cache slot (block_id * block_size + offset) its K/V is written to.
-    - ``block_tables``: ``[B, max_blocks]``, padded with ``PAD_BLOCK`` (-1) past each sequence's
-      ``cdiv(context_lens[b], block_size)`` blocks.
-    - ``context_lens``: ``[B]``, tokens of each sequence after this step (cached + new).
-    - ``cu_seqlens_q``: ``[B + 1]``, sequence b's queries are rows ``cu[b] .. cu[b+1]-1``.
-    - ``logits_indices``: ``[B]``, the last row of each chunk (the only logits computed).
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    logits_indices: torch.Tensor
-    block_size: int
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-
-def build_paged_batch(
-    chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
-    block_size: int,
-    num_blocks: int,
-    device: torch.device | str = "cpu",
-) -> PagedBatch:
-    """Flatten ``(token_ids, start_position, block_table)`` chunks, one per sequence.
-
-    ``start_position`` is how many of the sequence's tokens are already cached; the block table
-    must cover ``start_position + len(token_ids)`` tokens with blocks inside the pool.
-    """
-    if not chunks:
-        raise ValueError("a batch needs at least one sequence")
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    ctx_lens: list[int] = []
-    cu = [0]
-    for b, (tokens, start, table) in enumerate(chunks):
-        n = len(tokens)
-        if n == 0 or start < 0:
-            raise ValueError(f"sequence {b}: empty chunk or negative start ({n} tokens at {start})")
-        end = start + n
-        used = cdiv(end, block_size)
-        if len(table) < used:
-            raise ValueError(f"sequence {b}: {end} tokens need {used} blocks, the table has "
-                             f"{len(table)}")
-        _check_blocks(table[:used], num_blocks, b)
-        ids += [int(t) for t in tokens]
-        positions += range(start, end)
-        slots += slot_mapping_for(table, start, end, block_size)
-        ctx_lens.append(end)
-        cu.append(cu[-1] + n)
-    width = max(cdiv(n, block_size) for n in ctx_lens)
-    tables = [list(t[: cdiv(n, block_size)]) for (_, _, t), n in zip(chunks, ctx_lens, strict=True)]
-    tables = [t + [PAD_BLOCK] * (width - len(t)) for t in tables]
-
-    def tensor(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.long, device=device)
-
-    return PagedBatch(
-        input_ids=tensor(ids), positions=tensor(positions), slot_mapping=tensor(slots),
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-        context_lens=tensor(ctx_lens), cu_seqlens_q=tensor(cu),
-        logits_indices=tensor(cu[1:]) - 1, block_size=block_size,
-    )
-
-
-def _check_blocks(blocks: Sequence[int], num_blocks: int, seq: int) -> None:
-    bad = [blk for blk in blocks if not 0 <= blk < num_blocks]
-    if bad:
-        raise ValueError(f"sequence {seq}: block table entries {bad} are outside the pool of "
-                         f"{num_blocks} blocks")
-
-
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -189,7 +102,7 @@ def paged_attention_ref(
             raise ValueError(f"sequence {b}: {ctx_len} tokens need {used} blocks, the table has "
                              f"{block_tables.shape[1]}")
         blocks = block_tables[b, :used]
-        _check_blocks(blocks.tolist(), num_blocks, b)
+        check_blocks(blocks.tolist(), num_blocks, b)
         keys = k_cache[blocks].flatten(0, 1)[:ctx_len].to(q.dtype)  # [ctx_len, Hkv, D]
         values = v_cache[blocks].flatten(0, 1)[:ctx_len].to(q.dtype)
         qb = q[cu[b] : cu[b + 1]]
@@ -242,9 +155,9 @@ class PagedAttentionContext:
             b = self.batch
             cu, lens = b.cu_seqlens_q, b.context_lens
             q_lens = cu[1:] - cu[:-1]
-            i = torch.arange(int(q_lens.max()), device=cu.device)
+            i = torch.arange(b.max_query_len, device=cu.device)
             valid = i[None, :] < q_lens[:, None]
-            rows = (cu[:-1, None] + i[None, :]).clamp(max=int(cu[-1]) - 1)
+            rows = (cu[:-1, None] + i[None, :]).clamp(max=b.num_tokens - 1)
             pos = torch.where(valid, lens[:, None] - q_lens[:, None] + i[None, :], 0)
             tables = b.block_tables.clamp(min=0)  # padding (-1) is masked out below
             keys = torch.arange(tables.shape[1] * b.block_size, device=cu.device)
@@ -272,67 +185,3 @@ class PagedAttentionContext:
             attn_mask=self._mask(window), enable_gqa=qb.shape[2] != keys.shape[2],
         )
         return out.transpose(1, 2)[valid]
-
-
-def default_num_blocks(prompt_lens: Sequence[int], budgets: Sequence[int], block_size: int) -> int:
-    """Enough blocks for every sequence at its longest (each needs prompt + budget - 1 slots)."""
-    return sum(cdiv(p + n - 1, block_size) for p, n in zip(prompt_lens, budgets, strict=True))
-
-
-@torch.inference_mode()
-def generate_paged(
-    model: Transformer,
-    tokenizer: Tokenizer,
-    prompts: Sequence[str | Sequence[int]],
-    max_tokens: int = 32,
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    ignore_eos: bool = False,
-    *,
-    block_manager: BlockManager | None = None,
-) -> list[GenerationOutput]:
-    """Greedy continuations through the paged cache: the proof that the paged path is right.
-
-    One flattened prefill step for all prompts, then decode steps of one token per unfinished
-    sequence; a sequence's blocks go back to the pool as soon as it finishes. There is no
-    preemption here (that is the scheduler's job): too few blocks raises ``NoFreeBlocksError``.
-    Pass ``block_manager`` to watch the pool (its block size and pool size are then used).
-    """
-    cfg, device = model.config, model.device
-    ids, budgets, stops = prepare_batch(model, tokenizer, prompts, max_tokens, ignore_eos)
-    if block_manager is None:
-        if num_blocks is None:
-            num_blocks = default_num_blocks([len(p) for p in ids], budgets, block_size)
-        block_manager = BlockManager(num_blocks, block_size)
-    mgr = block_manager
-    cache = PagedKVCache(cfg, mgr.pool.num_total, mgr.block_size, device, model.dtype)
-
-    def step(chunks: dict[int, list[int]]) -> dict[int, int]:
-        """Run one flattened step; ``chunks`` maps a sequence to its new tokens (already
-        reserved in the block manager). Returns each sequence's greedy next token."""
-        batch = build_paged_batch(
-            [(t, mgr.num_tokens(s) - len(t), mgr.block_table(s)) for s, t in chunks.items()],
-            mgr.block_size, mgr.pool.num_total, device,
-        )
-        logits = model(batch.input_ids, batch.positions, PagedAttentionContext(cache, batch))
-        return dict(zip(chunks, logits.argmax(-1).tolist(), strict=True))
-
-    for s, p in enumerate(ids):
-        mgr.allocate_sequence(s, len(p))
-    outs: list[list[int]] = [[] for _ in ids]
-    next_tokens = step(dict(enumerate(ids)))
-    while next_tokens:
-        feed: dict[int, list[int]] = {}
-        for s, t in next_tokens.items():
-            outs[s].append(t)
-            if t in stops or len(outs[s]) >= budgets[s]:
-                mgr.free_sequence(s)
-            else:
-                cache.copy_blocks(mgr.append_slots(s, 1))
-                feed[s] = [t]
-        next_tokens = step(feed) if feed else {}
-
-    return [
-        GenerationOutput(tokenizer.decode(o), o, p, "stop" if o and o[-1] in stops else "length")
-        for o, p in zip(outs, ids, strict=True)
-    ]

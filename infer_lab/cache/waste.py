@@ -5,10 +5,10 @@ waste: slots reserved ahead of tokens that may never come (a contiguous cache si
 possible sequence), or the unfilled tail of a sequence's last block (a paged cache). What matters is
 waste over time, so both are summed over every decode step of every running sequence: slot-steps.
 
-The run is the *offline* one of DESIGN.md's workloads: every request starts at step 0 and adds one
-token per step until its output is complete, when its memory goes back. During its step ``t``
-(``t = 0 .. output_len - 1``; step 0 is the prefill) a request holds the K/V of ``prompt_len + t``
-tokens; the last generated token is never fed back, so it never needs a slot.
+The run is *offline* (as in :mod:`infer_lab.measure.workloads`): every request starts at step 0
+and adds one token per step until its output is complete, when its memory goes back. During its
+step ``t`` (``t = 0 .. output_len - 1``; step 0 is the prefill) a request holds the K/V of
+``prompt_len + t`` tokens; the last generated token is never fed back, so it never needs a slot.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from infer_lab.cache.block_pool import cdiv
+from infer_lab.utils import cdiv
 
 
 class Request(Protocol):

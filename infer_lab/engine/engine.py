@@ -12,22 +12,24 @@ import itertools
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from infer_lab.cache.block_pool import cdiv
 from infer_lab.cache.planner import plan_memory
 from infer_lab.cache.sizing import kv_bytes_per_token
+from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.kv_cache_manager import KVCacheManager
 from infer_lab.engine.model_runner import ModelRunner
 from infer_lab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from infer_lab.engine.sampler import Sampler
 from infer_lab.engine.sampling_params import SamplingParams
-from infer_lab.engine.scheduler import Scheduler, SchedulerConfig
+from infer_lab.engine.scheduler import make_scheduler
 from infer_lab.engine.sequence import Request, Sequence, SequenceStatus
 from infer_lab.model.generate import stop_token_ids
 from infer_lab.model.tokenizer import Tokenizer
 from infer_lab.model.transformer import Transformer
+from infer_lab.utils import cdiv
 
 CPU_KV_BYTES = 1 << 30  # default KV pool on CPU: 1 GiB (or less, if that already fits everything)
 
@@ -68,52 +70,54 @@ def sample_seed(seed: int, index: int) -> int:
 
 
 class LLMEngine:
-    """Continuous (or static) batching over a paged KV cache, one :meth:`step` at a time."""
+    """Continuous (or static) batching over a paged KV cache, one :meth:`step` at a time.
+
+    ``LLMEngine(model, tokenizer, config)`` or ``LLMEngine(model, tokenizer, max_num_seqs=...)``:
+    keywords replace fields of ``config`` (or of the default :class:`EngineConfig`). The engine
+    resolves what the config leaves open (``max_model_len``: the model's context;
+    ``num_kv_blocks``: from the memory) and keeps the result as :attr:`config`, the one place the
+    scheduler, the KV manager and the runner read their limits from.
+    """
 
     def __init__(
         self,
         model: Transformer,
         tokenizer: Tokenizer,
-        *,
-        policy: str = "continuous",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        num_kv_blocks: int | None = None,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        use_cuda_graphs: bool | None = None,
-        seed: int = 0,
-        log_steps: bool = False,
+        config: EngineConfig | None = None,
+        **kwargs: Any,
     ) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model, self.tokenizer = model, tokenizer
-        cfg = model.config
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
-        if num_kv_blocks is None:
-            num_kv_blocks = self._default_num_blocks(block_size, max_num_seqs,
-                                                     gpu_memory_utilization)
-        self.scheduler_config = SchedulerConfig(policy, max_num_seqs, max_num_batched_tokens,
-                                                enable_chunked_prefill)
-        self.kv = KVCacheManager(num_kv_blocks, block_size,
-                                 enable_prefix_caching and policy == "continuous")
-        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.max_model_len)
-        self.runner = ModelRunner(model, num_kv_blocks, block_size, max_num_seqs,
-                                  self.max_model_len, use_cuda_graphs)
+        self.config = self._resolve(EngineConfig.from_kwargs(config, **kwargs))
+        self.kv = KVCacheManager(self.config)
+        self.scheduler = make_scheduler(self.config, self.kv)
+        self.runner = ModelRunner(model, self.config)
         gen = torch.Generator(device=model.device)
-        gen.manual_seed(seed)
+        gen.manual_seed(self.config.seed)
         self.sampler = Sampler(gen)
         self.eos_ids = frozenset(stop_token_ids(model, tokenizer))
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_steps = 0
-        self.log_steps = log_steps
         self.step_log: list[StepRecord] = []
 
-    def _default_num_blocks(self, block_size: int, max_num_seqs: int, util: float) -> int:
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def _resolve(self, config: EngineConfig) -> EngineConfig:
+        """``config`` with ``max_model_len`` and ``num_kv_blocks`` made concrete."""
+        context = self.model.config.max_position_embeddings
+        max_model_len = min(config.max_model_len or context, context)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(config, max_model_len)
+        return config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks)
+
+    def _default_num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         cfg, dtype_bytes = self.model.config, self.model.dtype.itemsize
+        block_size, util = config.block_size, config.gpu_memory_utilization
         if self.model.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.model.device).total_memory
             plan = plan_memory(int(total * util), cfg, weight_dtype_bytes=dtype_bytes,
@@ -122,7 +126,7 @@ class LLMEngine:
             per_block = plan.kv_bytes_per_token * block_size
             return max(1, min(plan.num_blocks(block_size), int(free_now * util) // per_block))
         per_block = kv_bytes_per_token(cfg, dtype_bytes) * block_size
-        everything = max_num_seqs * cdiv(self.max_model_len, block_size)
+        everything = config.max_num_seqs * cdiv(max_model_len, block_size)
         return max(1, min(everything, CPU_KV_BYTES // per_block))
 
     # ------------------------------------------------------------------ requests
@@ -155,15 +159,11 @@ class LLMEngine:
                 f"{len(ids) + params.max_tokens} tokens exceed the model's context of "
                 f"{self.max_model_len}"
             )
-        need = cdiv(len(ids) + params.max_tokens, self.kv.block_size)
-        if need > self.kv.num_blocks:
+        need = cdiv(len(ids) + params.max_tokens, self.config.block_size)
+        if need > self.config.num_kv_blocks:
             raise ValueError(f"this request may need {need} KV blocks but the pool has only "
-                             f"{self.kv.num_blocks}")
-        if params.n > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"n={params.n} parallel samples cannot run together: the engine "
-                             f"runs at most max_num_seqs={self.scheduler_config.max_num_seqs}")
-        if self.scheduler.static and params.n > 1:
-            raise ValueError("the static baseline does not support n > 1")
+                             f"{self.config.num_kv_blocks}")
+        self.scheduler.check(params)
         stops = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stops |= self.eos_ids
@@ -217,7 +217,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        record = self._record(out, start) if self.log_steps else None
+        record = self._record(out, start) if self.config.log_steps else None
         logits, sampled = self.runner.execute(out)
         for seq, n in zip(out.seqs, out.num_new):
             seq.num_computed += n
@@ -225,7 +225,7 @@ class LLMEngine:
                 seq.request.first_scheduled_time = start
         if self.kv.enable_prefix_caching:
             for seq in out.seqs:
-                self.kv.commit(seq)
+                self.kv.cache_blocks(seq)
         if any(not s.request.forked for s in sampled):
             logits, sampled = self._fork(logits, sampled)
         tokens = self.sampler(logits, [s.request.params for s in sampled],

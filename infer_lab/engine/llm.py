@@ -1,4 +1,4 @@
-"""The offline API of DESIGN.md: ``il.LLM(...).generate(prompts, sampling_params)``.
+"""The offline API: ``il.LLM(...).generate(prompts, sampling_params)``, as in vLLM.
 
 All prompts are added at once (they all "arrive" at t = 0) and the engine steps until every one
 is done; outputs come back in the prompts' order, as in vLLM.
@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.engine import LLMEngine
 from infer_lab.engine.outputs import RequestOutput
 from infer_lab.engine.sampling_params import SamplingParams
@@ -25,8 +26,9 @@ class LLM:
     """A model, its tokenizer and an :class:`LLMEngine`, for batch generation.
 
     ``LLM()`` loads the bundled model; ``LLM("dir or hub id", device=, dtype=)`` another one;
-    ``LLM(model, tokenizer=tok)`` wraps a model already in memory. Other keywords go to the
-    engine (``max_num_seqs``, ``num_kv_blocks``, ``policy``, ``enable_prefix_caching``, ...).
+    ``LLM(model, tokenizer=tok)`` wraps a model already in memory. ``config`` (an
+    :class:`EngineConfig`) and other keywords (``max_num_seqs``, ``num_kv_blocks``, ``policy``,
+    ``enable_prefix_caching``, ...) build the engine's one configuration.
     """
 
     def __init__(
@@ -36,8 +38,10 @@ class LLM:
         tokenizer: Tokenizer | None = None,
         device: Any = None,
         dtype: Any = None,
+        config: EngineConfig | None = None,
         **engine_kwargs: Any,
     ) -> None:
+        config = EngineConfig.from_kwargs(config, **engine_kwargs)  # bad options fail before load
         if isinstance(model, Transformer):
             if tokenizer is None:
                 raise ValueError("pass tokenizer= together with a model object")
@@ -46,7 +50,7 @@ class LLM:
             self.model, self.tokenizer = load(model, device, dtype)
             if tokenizer is not None:
                 self.tokenizer = tokenizer
-        self.engine = LLMEngine(self.model, self.tokenizer, **engine_kwargs)
+        self.engine = LLMEngine(self.model, self.tokenizer, config)
         self._ids = itertools.count()
 
     def generate(

@@ -1,14 +1,17 @@
-"""Fill DESIGN.md's flattened ragged batch for one step and run the model once.
+"""Fill the flattened ragged batch of one step and run the model once.
 
 The scheduler says "compute ``n`` tokens of this sequence" for each sequence; the runner lays all
-those tokens end to end (no padding), works out each token's position and cache slot, and hands
-the model a :class:`~infer_lab.cache.PagedBatch`. Only rows whose sequence completes its tokens
-this step (a decode, or the last chunk of a prompt) get logits.
+those tokens end to end (no padding) and hands the model a :class:`~infer_lab.cache.PagedBatch`
+built by :func:`~infer_lab.cache.flatten_batch`, the same builder Chapter 3 uses. Only rows whose
+sequence completes its tokens this step (a decode, or the last chunk of a prompt) get logits.
 
 The per-step CPU cost matters: with hundreds of sequences in a batch, Python loops over tokens
-would cost more than a small model's forward. So each running sequence owns a *slot*, a row of a
-persistent block-table array; a row is written only when its sequence gains a block, and the
-rest (positions, slot mapping, sequence offsets) is computed with numpy in a few vector ops.
+would cost more than a small model's forward. So each running sequence's batch *slot* (given by
+the scheduler) is a row of a persistent block-table array that the runner alone maintains: it
+remembers which table list it copied into each row and how much of it, and writes only what is
+new. A table's entries are only ever appended (the KV manager puts a new list on the sequence for
+any other change), so "same list, same length" means "row up to date". The rest (positions,
+slot mapping, sequence offsets) is a few numpy vector ops in the builder.
 
 On CUDA, decode-only steps replay CUDA graphs captured once per batch size (1, 2, 4, 8, 16, ...;
 a batch is padded up to the next captured size with rows that write into a scratch block): a
@@ -23,11 +26,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from infer_lab.cache.block_pool import cdiv
-from infer_lab.cache.paged import PagedAttentionContext, PagedBatch, PagedKVCache
+from infer_lab.cache.batch import PagedBatch, flatten_batch
+from infer_lab.cache.paged import PagedAttentionContext, PagedKVCache
+from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.scheduler import SchedulerOutput
 from infer_lab.engine.sequence import Sequence
 from infer_lab.model.transformer import Transformer
+from infer_lab.utils import cdiv
 
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionContext], torch.Tensor]
 
@@ -40,28 +45,30 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class ModelRunner:
-    """Owns the paged KV cache and turns a :class:`SchedulerOutput` into logits."""
+    """Owns the paged KV cache and turns a :class:`SchedulerOutput` into logits.
 
-    def __init__(
-        self,
-        model: Transformer,
-        num_blocks: int,
-        block_size: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        use_cuda_graphs: bool | None = None,
-    ) -> None:
-        self.model, self.device = model, model.device
-        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+    Sizes come from ``config`` (``num_kv_blocks``, ``block_size``, ``max_num_seqs``,
+    ``max_model_len``, all resolved by the engine, and ``use_cuda_graphs``).
+    """
+
+    def __init__(self, model: Transformer, config: EngineConfig) -> None:
+        if config.num_kv_blocks is None or config.max_model_len is None:
+            raise ValueError("the runner needs a resolved config (num_kv_blocks, max_model_len)")
+        self.model, self.device, self.config = model, model.device, config
+        num_blocks, bs, max_num_seqs = (config.num_kv_blocks, config.block_size,
+                                        config.max_num_seqs)
         # One extra block past the pool: a scratch block where filler rows (static batching's
         # padding, CUDA-graph padding) write K/V nobody reads.
-        self.cache = PagedKVCache(model.config, num_blocks + 1, block_size, self.device,
-                                  model.dtype)
+        self.cache = PagedKVCache(model.config, num_blocks + 1, bs, self.device, model.dtype)
         self.scratch = num_blocks
-        self.max_blocks = cdiv(max_model_len, block_size)
+        self.max_blocks = cdiv(config.max_model_len, bs)
         self.filler_row = max_num_seqs
         self.block_table = np.full((max_num_seqs + 1, self.max_blocks), self.scratch, np.int64)
+        # Per row: the table list last copied into it, and how many of its entries.
+        self._row_tables: list[list[int] | None] = [None] * (max_num_seqs + 1)
+        self._row_synced = [0] * (max_num_seqs + 1)
         self.forward: Forward = model  # replaceable, e.g. by a no-op to time the CPU side
+        use_cuda_graphs = config.use_cuda_graphs
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -72,27 +79,31 @@ class ModelRunner:
     # ------------------------------------------------------------------ inputs
     def prepare(self, out: SchedulerOutput) -> tuple[PagedBatch, list[Sequence]]:
         """The flattened batch of ``out`` and the sequences whose logits it computes, in order."""
-        bt, bs = self.block_table, self.block_size
+        bt, row_tables, row_synced = self.block_table, self._row_tables, self._row_synced
         starts: list[int] = []
         rows: list[int] = []
         ids: list[int] = []
         sampled: list[Sequence] = []
         wants: list[bool] = []
         for seq, n in zip(out.seqs, out.num_new):
-            table, synced = seq.block_table, seq.synced_blocks
-            if synced != len(table):
-                bt[seq.slot, synced : len(table)] = table[synced:]
-                seq.synced_blocks = len(table)
+            table, slot = seq.block_table, seq.slot
+            if row_tables[slot] is not table:
+                bt[slot, : len(table)] = table
+                row_tables[slot], row_synced[slot] = table, len(table)
+            elif row_synced[slot] != len(table):
+                done = row_synced[slot]
+                bt[slot, done : len(table)] = table[done:]
+                row_synced[slot] = len(table)
             start = seq.num_computed
             starts.append(start)
-            rows.append(seq.slot)
+            rows.append(slot)
             if n == 1:
                 ids.append(seq.token_ids[start])
             else:
                 ids += seq.token_ids[start : start + n]
-            done = start + n == len(seq.token_ids)
-            wants.append(done)
-            if done:
+            complete = start + n == len(seq.token_ids)
+            wants.append(complete)
+            if complete:
                 sampled.append(seq)
         lens = list(out.num_new)
         fillers = [p for p in out.pad_tokens if p > 0] + ([out.num_idle] if out.num_idle else [])
@@ -102,30 +113,10 @@ class ModelRunner:
             lens += fillers
             ids += [0] * sum(fillers)
             wants += [False] * len(fillers)
-        lens_np = np.asarray(lens, np.int64)
-        starts_np = np.asarray(starts, np.int64)
-        rows_np = np.asarray(rows, np.int64)
-        cu = np.zeros(len(lens) + 1, np.int64)
-        np.cumsum(lens_np, out=cu[1:])
-        num_tokens = int(cu[-1])
-        ctx_lens = starts_np + lens_np
-        if num_tokens == len(lens):  # every chunk is one token: a decode step
-            positions, token_rows = starts_np, rows_np
-        else:
-            positions = np.arange(num_tokens) - np.repeat(cu[:-1] - starts_np, lens_np)
-            token_rows = np.repeat(rows_np, lens_np)
-        slots = bt[token_rows, positions // bs] * bs + positions % bs
-        width = cdiv(int(ctx_lens.max()), bs)
-        logits_idx = cu[1:][np.asarray(wants, bool)] - 1
-        dev = self.device
-
-        def t(x: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
-
-        batch = PagedBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=t(positions),
-            slot_mapping=t(slots), block_tables=t(bt[rows_np, :width]), context_lens=t(ctx_lens),
-            cu_seqlens_q=t(cu), logits_indices=t(logits_idx), block_size=bs,
+        batch = flatten_batch(
+            ids, np.asarray(starts, np.int64), np.asarray(lens, np.int64), bt,
+            np.asarray(rows, np.int64), self.config.block_size, self.device,
+            None if len(sampled) == len(wants) else np.asarray(wants, bool),
         )
         return batch, sampled
 
@@ -144,22 +135,28 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     def capture_cuda_graphs(self, sizes: list[int]) -> None:
-        """Capture one decode forward per batch size; on failure, stay eager and say why."""
-        dev, biggest = self.device, max(sizes)
-        scratch_slot = self.scratch * self.block_size
+        """Capture one decode forward per batch size; on failure, stay eager and say why.
+
+        A captured batch reads its index tensors from fixed buffers (int32, as the builder makes
+        them); its host-side ``max_context_len`` is ``max_model_len``, an upper bound that holds
+        for every batch the graph will replay.
+        """
+        dev, biggest, bs = self.device, max(sizes), self.config.block_size
+        i32 = torch.int32
         self._g_ids = torch.zeros(biggest, dtype=torch.long, device=dev)
         self._g_pos = torch.zeros(biggest, dtype=torch.long, device=dev)
-        self._g_slots = torch.full((biggest,), scratch_slot, dtype=torch.long, device=dev)
-        self._g_ctx = torch.ones(biggest, dtype=torch.long, device=dev)
-        self._g_bt = torch.full((biggest, self.max_blocks), self.scratch, dtype=torch.long,
-                                device=dev)
-        self._g_cu = torch.arange(biggest + 1, dtype=torch.long, device=dev)
+        self._g_slots = torch.full((biggest,), self.scratch * bs, dtype=i32, device=dev)
+        self._g_ctx = torch.ones(biggest, dtype=i32, device=dev)
+        self._g_bt = torch.full((biggest, self.max_blocks), self.scratch, dtype=i32, device=dev)
+        self._g_cu = torch.arange(biggest + 1, dtype=i32, device=dev)
+        self._g_logits = torch.arange(biggest, dtype=torch.long, device=dev)
         pool = None
         try:
             for b in sorted(sizes, reverse=True):
                 batch = PagedBatch(self._g_ids[:b], self._g_pos[:b], self._g_slots[:b],
                                    self._g_bt[:b], self._g_ctx[:b], self._g_cu[: b + 1],
-                                   self._g_cu[:b], self.block_size)
+                                   self._g_logits[:b], bs, max_query_len=1,
+                                   max_context_len=self.config.max_model_len)
                 ctx = PagedAttentionContext(self.cache, batch)
                 with torch.inference_mode():
                     self.model(batch.input_ids, batch.positions, ctx)  # warm-up, outside capture
@@ -187,7 +184,7 @@ class ModelRunner:
         if size > n:  # padding rows: one token at position 0, written to the scratch block
             self._g_ids[n:size].zero_()
             self._g_pos[n:size].zero_()
-            self._g_slots[n:size].fill_(self.scratch * self.block_size)
+            self._g_slots[n:size].fill_(self.scratch * self.config.block_size)
             self._g_ctx[n:size].fill_(1)
             self._g_bt[n:size].fill_(self.scratch)
         graph, logits = self.graphs[size]

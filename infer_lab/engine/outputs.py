@@ -48,7 +48,7 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """A request's state after a step. ``text``, ``token_ids`` and ``finish_reason`` are those
-    of the first completion, so that ``outs[0].text`` works as in DESIGN.md whatever ``n`` is."""
+    of the first completion, so that ``outs[0].text`` works whatever ``n`` is."""
 
     request_id: str
     prompt: str | None

@@ -1,20 +1,23 @@
-"""Who runs in the next step: static batching and continuous (iteration-level) batching.
+"""Who runs in the next step: two policies, static batching and continuous batching.
 
-Both policies sit behind one interface, :meth:`Scheduler.schedule`, which returns the step's
-work: for each sequence, how many of its tokens to compute. The runner turns that into one
-flattened forward; the engine samples, then tells the scheduler what finished.
+Both sit behind one interface, :meth:`Scheduler.schedule`, which returns the step's work: for each
+sequence, how many of its tokens to compute. The runner turns that into one flattened forward; the
+engine samples, then tells the scheduler what finished (:meth:`Scheduler.finish`). The queues, the
+batch slots, preemption and abort are shared; each policy is a subclass.
 
-- **static** (the baseline): when nothing runs, take up to ``max_num_seqs`` waiting requests,
-  reserve KV for each one's prompt plus ``max_tokens``, prefill them padded to the longest prompt,
-  and keep the batch until its last request finishes. Finished requests keep their slot: a padded
-  batch computes a row for them anyway, so the runner computes a filler row (``num_idle``).
-- **continuous** (Orca, vLLM): every step, first the running sequences (oldest first) get their
-  next tokens (1 for a decode, up to the rest of the prompt for a prefill in progress), then
-  waiting requests are admitted while batch slots, free KV blocks and the step's token budget
-  allow. A prompt longer than what is left of the budget is cut into chunks computed over several
-  steps, mixed with the decodes (chunked prefill). When a running sequence needs a block and none
-  is free, the newest running sequence is preempted: its blocks are freed and it goes back to the
-  front of the queue, to be recomputed later (its tokens are kept, so its output is unchanged).
+- :class:`StaticScheduler` (the baseline): when nothing runs, take up to ``max_num_seqs``
+  waiting requests, reserve KV for each one's prompt plus ``max_tokens``, prefill them padded to
+  the longest prompt, and keep the batch until its last request finishes. Finished requests keep
+  their slot: a padded batch computes a row for them anyway, so the runner computes a filler row
+  (``num_idle``).
+- :class:`ContinuousScheduler` (Orca, vLLM): every step, first the running sequences (oldest
+  first) get their next tokens (1 for a decode, up to the rest of the prompt for a prefill in
+  progress), then waiting requests are admitted while batch slots, free KV blocks and the step's
+  token budget allow. A prompt longer than what is left of the budget is cut into chunks computed
+  over several steps, mixed with the decodes (chunked prefill). When a running sequence needs a
+  block and none is free, the newest running sequence is preempted: its blocks are freed and it
+  goes back to the front of the queue, to be recomputed later (its tokens are kept, so its output
+  is unchanged).
 """
 
 from __future__ import annotations
@@ -23,29 +26,12 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.kv_cache_manager import KVCacheManager
+from infer_lab.engine.sampling_params import SamplingParams
 from infer_lab.engine.sequence import Sequence, SequenceStatus
 
-POLICIES = ("continuous", "static")
-
-
-@dataclass
-class SchedulerConfig:
-    """Limits of one step. ``max_num_batched_tokens`` is the token budget of a step."""
-
-    policy: str = "continuous"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    watermark: float = 0.01  # fraction of blocks kept free when admitting (fewer preemptions)
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if not 0 <= self.watermark < 1:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+WATERMARK = 0.01  # fraction of the KV blocks kept free when admitting (fewer preemptions)
 
 
 @dataclass
@@ -70,19 +56,25 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """The waiting queue, the running batch, and the policy that moves requests between them."""
+    """The waiting queue, the running batch and the batch slots; a subclass is the policy.
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
-        self.config, self.kv, self.max_model_len = config, kv, max_model_len
-        self.static = config.policy == "static"
+    Limits come from ``config`` (``max_num_seqs``, ``max_num_batched_tokens``,
+    ``enable_chunked_prefill``, and ``max_model_len``, which the engine has resolved).
+    """
+
+    policy = ""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        if config.max_model_len is None:
+            raise ValueError("the scheduler needs config.max_model_len (the engine resolves it)")
+        self.config, self.kv = config, kv
         self.budget = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill or self.static:
-            self.budget = max(self.budget, max_model_len)  # a whole prompt must fit in a step
+        if not config.enable_chunked_prefill:
+            self.budget = max(self.budget, config.max_model_len)  # a whole prompt in one step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(config.max_num_seqs))
         self._reserved_slots = 0  # promised to samples not yet forked (n > 1)
-        self._watermark = int(config.watermark * kv.num_blocks)
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queues
@@ -94,20 +86,65 @@ class Scheduler:
     def num_running(self) -> int:
         return sum(1 for s in self.running if not s.is_finished)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting) or any(not s.is_finished for s in self.running)
+    def check(self, params: SamplingParams) -> None:
+        """Raise ``ValueError`` if this policy can never run a request with ``params``."""
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} parallel samples cannot run together: the engine "
+                             f"runs at most max_num_seqs={self.config.max_num_seqs}")
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        out = self._schedule_static() if self.static else self._schedule_continuous()
+        out = self._schedule()
         out.block_copies = self.kv.pending_copies
         self.kv.pending_copies = []
         return out
 
-    # ------------------------------------------------------------------ continuous
-    def _schedule_continuous(self) -> SchedulerOutput:
+    def _schedule(self) -> SchedulerOutput:
+        raise NotImplementedError
+
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Retire the sequences that finished in the last step."""
+        raise NotImplementedError
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop ``seqs`` wherever they are; their blocks go back to the pool now."""
+        gone = set(map(id, seqs))
+        for seq in seqs:
+            self.kv.free(seq)
+            self._release_slot(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        self.running = [s for s in self.running if id(s) not in gone]
+
+    # ------------------------------------------------------------------ slots
+    def _start(self, seq: Sequence, slots: int) -> None:
+        seq.status = SequenceStatus.RUNNING
+        seq.slot = heapq.heappop(self._free_slots)
+        self._reserved_slots += slots - 1
+        self.running.append(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        """Give back a running sequence's slot (and the slots reserved for its samples)."""
+        if seq.slot < 0:
+            return
+        heapq.heappush(self._free_slots, seq.slot)
+        seq.slot = -1
+        if not seq.request.forked:
+            self._reserved_slots -= seq.request.params.n - 1
+
+
+class ContinuousScheduler(Scheduler):
+    """Iteration-level batching with a token budget, chunked prefill and preemption."""
+
+    policy = "continuous"
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        super().__init__(config, kv)
+        self._watermark = int(WATERMARK * kv.num_blocks)
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         seqs, num_new = out.seqs, out.num_new
         budget, kv, running, bs = self.budget, self.kv, self.running, self.kv.block_size
@@ -136,7 +173,7 @@ class Scheduler:
             slots = 1 if request.forked else request.params.n
             if slots > len(self._free_slots) - self._reserved_slots:
                 break
-            cached = kv.find_cached_prefix(seq) if seq.num_computed == 0 else []
+            cached = kv.get_computed_blocks(seq) if seq.num_computed == 0 else []
             n = seq.num_tokens - len(cached) * kv.block_size
             if n > budget:
                 if not self.config.enable_chunked_prefill:
@@ -152,13 +189,6 @@ class Scheduler:
             budget -= n
         return out
 
-    def _start(self, seq: Sequence, slots: int) -> None:
-        seq.status = SequenceStatus.RUNNING
-        seq.slot = heapq.heappop(self._free_slots)
-        seq.synced_blocks = 0
-        self._reserved_slots += slots - 1
-        self.running.append(seq)
-
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the K/V, keep the tokens, queue at the front."""
         self.kv.free(seq)
@@ -169,15 +199,41 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _release_slot(self, seq: Sequence) -> None:
-        if seq.slot >= 0:
-            heapq.heappush(self._free_slots, seq.slot)
-            seq.slot = -1
-        if not seq.request.forked:
-            self._reserved_slots -= seq.request.params.n - 1
+    def add_forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Parallel samples: ``children`` share ``parent``'s blocks and take reserved slots."""
+        parent.request.forked = True
+        self._reserved_slots -= len(children)
+        at = self.running.index(parent) + 1
+        for child in children:
+            self.kv.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            child.slot = heapq.heappop(self._free_slots)
+        self.running[at:at] = children
 
-    # ------------------------------------------------------------------ static
-    def _schedule_static(self) -> SchedulerOutput:
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Finished sequences leave at once: their blocks and slots serve the next step."""
+        for seq in seqs:
+            self.kv.free(seq)
+            self._release_slot(seq)
+        if seqs:
+            self.running = [s for s in self.running if not s.is_finished]
+
+
+class StaticScheduler(Scheduler):
+    """The baseline: one padded batch at a time, held until its longest request finishes."""
+
+    policy = "static"
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        super().__init__(config, kv)
+        self.budget = max(self.budget, config.max_model_len)  # whole prompts, never chunked
+
+    def check(self, params: SamplingParams) -> None:
+        super().check(params)
+        if params.n > 1:
+            raise ValueError("the static baseline does not support n > 1")
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if not self.running:
             while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -204,51 +260,28 @@ class Scheduler:
                 out.num_new.append(1)
         return out
 
-    # ------------------------------------------------------------------ after a step
-    def add_forked(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Parallel samples: ``children`` share ``parent``'s blocks and take reserved slots."""
-        parent.request.forked = True
-        self._reserved_slots -= len(children)
-        at = self.running.index(parent) + 1
-        for child in children:
-            self.kv.fork(parent, child)
-            child.status = SequenceStatus.RUNNING
-            child.slot = heapq.heappop(self._free_slots)
-        self.running[at:at] = children
-
     def finish(self, seqs: list[Sequence]) -> None:
-        """Retire finished sequences: at once (continuous) or with their batch (static)."""
-        if self.static:
-            if self.running and all(s.is_finished for s in self.running):
-                self._end_static_batch()
-            return
-        for seq in seqs:
-            self.kv.free(seq)
-            self._release_slot(seq)
-        self.running = [s for s in self.running if not s.is_finished]
+        """Finished requests keep their memory and slot until the whole batch is done."""
+        if self.running and all(s.is_finished for s in self.running):
+            self._end_batch()
 
     def abort(self, seqs: list[Sequence]) -> None:
-        """Drop ``seqs`` wherever they are; their blocks go back to the pool now."""
-        gone = set(map(id, seqs))
-        for seq in seqs:
-            if seq.slot >= 0:
-                self.kv.free(seq)
-                heapq.heappush(self._free_slots, seq.slot)
-                seq.slot = -1
-                if not seq.request.forked:
-                    self._reserved_slots -= seq.request.params.n - 1
-            else:
-                self.kv.free(seq)
-            seq.status = SequenceStatus.FINISHED
-        self.waiting = deque(s for s in self.waiting if id(s) not in gone)
-        self.running = [s for s in self.running if id(s) not in gone]
-        if self.static and self.running and all(s.is_finished for s in self.running):
-            self._end_static_batch()
+        super().abort(seqs)
+        if self.running and all(s.is_finished for s in self.running):
+            self._end_batch()
 
-    def _end_static_batch(self) -> None:
-        """The last request of a static batch is done: now its memory and slots come back."""
+    def _end_batch(self) -> None:
+        """The last request of the batch is done: now its memory and slots come back."""
         for seq in self.running:
             self.kv.free(seq)
-            heapq.heappush(self._free_slots, seq.slot)
-            seq.slot = -1
+            self._release_slot(seq)
         self.running = []
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {"continuous": ContinuousScheduler,
+                                          "static": StaticScheduler}
+
+
+def make_scheduler(config: EngineConfig, kv: KVCacheManager) -> Scheduler:
+    """The scheduler of ``config.policy``."""
+    return SCHEDULERS[config.policy](config, kv)

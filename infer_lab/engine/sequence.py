@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer_lab.cache.block_pool import BlockKey
 from infer_lab.engine.sampling_params import SamplingParams
 from infer_lab.model.tokenizer import IncrementalDetokenizer
 
@@ -38,12 +39,12 @@ class Sequence:
     num_prompt_tokens: int
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
+    # Written by the KV manager only. Entries are appended; any other change is a new list.
     block_table: list[int] = field(default_factory=list)
-    num_hashed_blocks: int = 0  # full blocks already registered in the prefix cache
-    block_hashes: list[int] = field(default_factory=list)
+    block_keys: list[BlockKey] = field(default_factory=list)  # prefix keys of full blocks
+    num_cached_blocks: int = 0  # full blocks already named in the prefix cache
     shared_tail: bool = False  # the last block may be shared (after a fork): copy before writing
-    slot: int = -1  # batch slot (row of the runner's block table) while running
-    synced_blocks: int = 0  # block-table entries already written to the runner's row
+    slot: int = -1  # batch slot while running (the scheduler's; the runner keys its rows by it)
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
@@ -69,12 +70,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def in_prefill(self) -> bool:
-        """True while tokens other than the last sampled one still lack K/V (a prompt, or a
-        recompute after preemption)."""
-        return self.num_tokens - self.num_computed > 1 or self.num_output_tokens == 0
 
 
 @dataclass(eq=False)
