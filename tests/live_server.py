@@ -20,10 +20,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(app) -> Iterator[str]:  # noqa: ANN001
-    """Serve ``app`` until the block ends; yields its base URL."""
+def running(app, **options) -> Iterator[str]:  # noqa: ANN001, ANN003
+    """Serve ``app`` until the block ends (``options`` go to ``make_server``); yields its URL."""
     port = free_port()
-    server = make_server(app, "127.0.0.1", port)
+    server = make_server(app, "127.0.0.1", port, **options)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
@@ -44,10 +44,10 @@ def running(app) -> Iterator[str]:  # noqa: ANN001
         thread.join(timeout=15)
 
 
-def metric(base: str, name: str) -> float:
+def metric(base: str, name: str, prefix: str = "infer_lab", **headers: str) -> float:
     """Current value of one unlabelled-by-us Prometheus series of the server."""
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith(f"infer_lab:{name}{{") or line.startswith(f"infer_lab:{name} "):
+    for line in httpx.get(f"{base}/metrics", headers=headers).text.splitlines():
+        if line.startswith(f"{prefix}:{name}{{") or line.startswith(f"{prefix}:{name} "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
 

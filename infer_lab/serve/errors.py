@@ -42,7 +42,9 @@ def unavailable(message: str) -> APIError:
 
 def validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     """The first pydantic error as "field: what is wrong" (its location named the OpenAI way)."""
-    first = e.errors()[0] if e.errors() else {}
+    errors = list(e.errors())
+    # of the branches of a union pydantic tried, the one that got deepest says what is wrong
+    first = max(errors, key=lambda err: len(err.get("loc", ())), default={})
     loc = [p for p in first.get("loc", ()) if p != "body"]
     # pydantic names the branch of a union it tried ("str", "list[int]", "function-after[...]"):
     # that is internals, not a field of the request

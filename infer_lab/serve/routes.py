@@ -37,6 +37,7 @@ from infer_lab.serve.responses import (
 from infer_lab.serve.state import ServerState, server_state
 
 router = APIRouter()
+SAMPLING_EPS = 1e-5  # below this, temperature or top_p means greedy
 Server = Annotated[ServerState, Depends(server_state)]
 
 
@@ -131,9 +132,14 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None)
                           ("repetition_penalty", 1.0)):
         if getattr(body, name) != neutral:
             extra[name] = getattr(body, name)
+    temperature, top_p = body.temperature, body.top_p
+    if temperature < SAMPLING_EPS or top_p < SAMPLING_EPS:
+        # logits / 1e-40 overflow and a top_p that is 0 in float32 keeps nothing: both mean
+        # "the most likely token", which is greedy decoding (vLLM draws the same line)
+        temperature, top_p = 0.0, 1.0
     try:
         return SamplingParams(
-            n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+            n=body.n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=body.top_k, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos, **extra,
         )

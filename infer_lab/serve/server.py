@@ -157,11 +157,14 @@ def _main_thread() -> bool:
 
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
                 grace: float = 10.0, limit_concurrency: int | None = 1024,
-                timeout_keep_alive: int = 5, log_level: str = "warning") -> DrainingServer:
+                timeout_keep_alive: int = 5, header_timeout: float = 10.0,
+                log_level: str = "warning") -> DrainingServer:
     """A uvicorn server with bounded connections: at most ``limit_concurrency`` (503 beyond),
-    idle keep-alive closed after ``timeout_keep_alive`` s, stalled heads after 10 s."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            http=GuardedH11Protocol, limit_concurrency=limit_concurrency,
+    idle keep-alive closed after ``timeout_keep_alive`` s, a stalled head after
+    ``header_timeout`` s; SIGTERM/SIGINT drain for ``grace`` s."""
+    protocol = type("H11Protocol", (GuardedH11Protocol,), {"HEADER_TIMEOUT": header_timeout})
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                            limit_concurrency=limit_concurrency,
                             timeout_keep_alive=timeout_keep_alive,
                             timeout_graceful_shutdown=int(grace) + 5,
                             h11_max_incomplete_event_size=64 * 1024)
