@@ -1,25 +1,31 @@
-"""Our server under load: TTFT, TPOT and ITL at the tail, at each concurrency (Chapter 7).
+"""Our server under load: TTFT, TPOT and ITL at the tail, at each load, with intervals (Ch. 7).
 
 Starts ``infer-lab serve`` on a free loopback port, then drives it with ``infer-lab bench``:
 
-1. **sweep**: closed loop at concurrency 1, 2, 4, ..., 64, fixed 64-token prompts and 64-token
-   outputs (``ignore_eos``), seed 0, warm-ups left out of every statistic. Each point keeps every
-   request's TTFT, TPOT, E2EL and worst gap, so a reader can compute goodput for any SLO later.
-2. **knobs**: the same server restarted with other scheduler settings (step token budget,
-   maximum batch) at one concurrency, on long prompts, to show how those knobs move TTFT against
-   ITL.
+1. **sweep**: closed loop at concurrency 1, 2, 4, ..., 64 (or, with ``--mode open``, open loop
+   with Poisson arrivals at the rates of ``--rates``), fixed 64-token prompts and 16-token outputs
+   (``ignore_eos``), seed 0, warm-ups left out of every statistic, N = 1000 per point so that ten
+   requests lie beyond each p99. Every percentile comes with its bootstrap interval over
+   requests; each point keeps every request's TTFT, TPOT, E2EL and worst gap, so a reader can
+   compute goodput for any SLO later.
+2. **knobs** (closed mode): the same server restarted with other scheduler settings (step token
+   budget, maximum batch) at one concurrency, on long prompts, to show how those knobs move TTFT
+   against ITL.
 
-Writes ``results/serve_sweep.json`` (with device, commit and date) and the plots
-``results/serve_sweep_{throughput_latency,cdf,vs_load,knobs}.png``, and stops every server it
-started. On two CPU cores the defaults take about six minutes.
+Writes ``results/serve_sweep.json`` (closed) or ``results/serve_poisson.json`` (open), with
+device, commit, date and the machine's load average, and the plots
+``results/<name>_{throughput_latency,cdf,vs_load}.png`` (+ ``serve_sweep_knobs.png``), and stops
+every server it started. Each mode takes under ten minutes on two CPU cores.
 
-    python -m benchmarks.serve_sweep [-n 300] [--concurrency 1 2 4 8 16 32 64] [--no-knobs]
+    python -m benchmarks.serve_sweep [-n 1000] [--concurrency 1 2 4 8 16 32 64] [--no-knobs]
+    python -m benchmarks.serve_sweep --mode open --rates 10 20 30 40 [-n 1000]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -40,6 +46,11 @@ from infer_lab.measure.stats import itls, tpot, ttft
 
 # One SLO for the goodput column of the table; the per-request lists allow any other later.
 DEFAULT_SLO = "ttft=250ms,tpot=25ms"
+# What else ran while we measured: the numbers describe their machine, not an idle one.
+SHARED_MACHINE_NOTE = (
+    "Measured on a 2-core virtual machine shared with other engineers' builds and tests, client "
+    "and server on the same cores: absolute figures carry that noise (see load_average); compare "
+    "ratios and intervals, and re-measure on your own machine before relying on a figure.")
 # Scheduler settings compared at one load: name -> extra ``infer-lab serve`` arguments.
 KNOBS: dict[str, list[str]] = {
     "default (budget 2048, 64 seqs)": [],
@@ -121,10 +132,15 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 2)
 
 
-def bench(base: str, concurrency: Sequence[int], n: int, input_len: int, output_len: int,
-          seed: int, slo: str | None, plot: Path | None = None) -> dict[str, Any]:
-    """One ``infer-lab bench`` sweep against ``base``, as the command line would run it."""
-    argv = ["--base-url", base, "--concurrency", *map(str, concurrency), "-n", str(n),
+def bench(base: str, concurrency: Sequence[float], n: int, input_len: int, output_len: int,
+          seed: int, slo: str | None, plot: Path | None = None, mode: str = "closed",
+          ) -> dict[str, Any]:
+    """One ``infer-lab bench`` sweep against ``base``, as the command line would run it.
+
+    ``concurrency`` holds the loads: concurrencies (closed) or request rates (open, Poisson).
+    """
+    flag = "--concurrency" if mode == "closed" else "--request-rate"
+    argv = ["--base-url", base, flag, *(f"{x:g}" for x in concurrency), "-n", str(n),
             "--input-len", str(input_len), "--output-len", str(output_len),
             "--seed", str(seed), "--save-requests", "--no-progress"]
     if slo:
@@ -161,11 +177,15 @@ def plot_knobs(knobs: dict[str, Any], path: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("closed", "open"), default="closed",
+                   help="closed loop over --concurrency, or open loop (Poisson) over --rates")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    p.add_argument("-n", "--num-requests", type=int, default=300,
+    p.add_argument("--rates", type=float, nargs="+", default=[10.0, 20.0, 30.0, 40.0],
+                   help="open loop: mean request rates, req/s (default: %(default)s)")
+    p.add_argument("-n", "--num-requests", type=int, default=1000,
                    help="measured requests per load point (default: %(default)s)")
     p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo", default=DEFAULT_SLO, help="goodput SLO (default: %(default)s)")
     p.add_argument("--knobs", action=argparse.BooleanOptionalAction, default=True,
@@ -175,25 +195,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--knobs-input-len", type=int, default=1024)
     p.add_argument("--knobs-output-len", type=int, default=32)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--note", default=None, help="a note stored in the JSON (how it was run)")
     args = p.parse_args(argv)
 
     exit_on_sigterm()
     start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     where = provenance(device)  # at the start: the commit and date the numbers were taken at
+    name = "serve_sweep" if args.mode == "closed" else "serve_poisson"
+    loads = args.concurrency if args.mode == "closed" else args.rates
     args.out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
     with served() as base:
-        sweep = bench(base, args.concurrency, args.num_requests, args.input_len,
-                      args.output_len, args.seed, args.slo, args.out / "serve_sweep")
+        sweep = bench(base, loads, args.num_requests, args.input_len, args.output_len,
+                      args.seed, args.slo, args.out / name, args.mode)
+    beyond = sweep["points"][0]["beyond_p99"]
     payload: dict[str, Any] = {
-        "benchmark": "serve_sweep", **where,
+        "benchmark": name, **where,
         "server": "infer-lab serve (bundled tiny-kjv, default settings), loopback, same machine "
                   "as the client",
-        "p99_rests_on": f"{args.num_requests} requests per point: ~{args.num_requests // 100} "
-                        "requests lie above each p99 of TTFT/TPOT/E2EL; the ITL p99 pools "
+        "conditions": SHARED_MACHINE_NOTE,
+        "note": args.note,
+        "load_average": {"before": [round(x, 2) for x in load_before]},
+        "p99_rests_on": f"{args.num_requests} requests per point: {beyond['ttft']} requests lie "
+                        "beyond each p99 of TTFT/TPOT/E2EL; the ITL p99 pools "
                         f"~{args.num_requests * (args.output_len - 1)} gaps per point",
         "sweep": sweep,
     }
+    args.knobs = args.knobs and args.mode == "closed"
     if args.knobs:
         configs = {}
         for name, extra in KNOBS.items():
@@ -217,8 +246,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{name:32} {m['output_throughput']:9.1f} "
                   f"{m['ttft.p50'] * 1e3:8.0f}/{m['ttft.p99'] * 1e3:<8.0f} "
                   f"{m['itl.p50'] * 1e3:7.1f}/{m['itl.p99'] * 1e3:<8.1f}")
+    payload["load_average"]["after"] = [round(x, 2) for x in os.getloadavg()]
     payload["wall_s"] = round(time.perf_counter() - start, 1)
-    print(f"\nwrote {write_results('serve_sweep', jsonable(payload), args.out)} "
+    print(f"\nwrote {write_results(name, jsonable(payload), args.out)} "
           f"in {payload['wall_s']:.0f} s")
 
 

@@ -7,12 +7,12 @@ import pytest
 
 from infer_lab.cache import BlockManager
 from infer_lab.cache.waste import KVUsage, kv_usage, next_pow2, reserved_slots
-from infer_lab.measure import Request, long_tail_mix
+from infer_lab.measure import RequestSpec, long_tail_mix
 
 
 def test_one_request_by_hand():
     # prompt 3, output 4: holds 3, 4, 5, 6 tokens over its 4 steps -> 18 slot-steps used.
-    r = [Request(3, 4)]
+    r = [RequestSpec(3, 4)]
     assert kv_usage(r, "oracle") == KVUsage("oracle", 4 * 6, 18)
     assert kv_usage(r, "max", max_len=10) == KVUsage("max", 40, 18)
     assert kv_usage(r, "pow2").reserved == 4 * 8
@@ -22,7 +22,7 @@ def test_one_request_by_hand():
 
 
 def test_max_len_defaults_to_the_longest_sequence():
-    r = [Request(3, 4), Request(10, 1)]
+    r = [RequestSpec(3, 4), RequestSpec(10, 1)]
     assert kv_usage(r, "max") == kv_usage(r, "max", max_len=10)
 
 
@@ -73,7 +73,7 @@ def test_kv_usage_rejects_bad_input():
     with pytest.raises(ValueError):
         kv_usage([], "oracle")
     with pytest.raises(ValueError):
-        kv_usage([Request(0, 3)], "oracle")
+        kv_usage([RequestSpec(0, 3)], "oracle")
 
 
 def test_next_pow2():

@@ -173,7 +173,7 @@ def bench_args(url: str, *extra: str) -> argparse.Namespace:
 
 
 def specs(n: int, output_len: int = 10, input_len: int = 8) -> list[RequestSpec]:
-    return [RequestSpec(list(range(input_len)), input_len, output_len) for _ in range(n)]
+    return [RequestSpec(input_len, output_len, prompt=list(range(input_len))) for _ in range(n)]
 
 
 # --- calibration: the tool recovers delays that the stub injects ---------------------------
@@ -229,7 +229,16 @@ def test_bench_table_json_and_plots_state_the_conditions(calibration, capsys):
     for fact in ("C=4", "N=16", "input 8 / output 10 tokens", "seed 3", "ttft <= 2000 ms",
                  "TTFT ms p50/p90/p99", "ITL ms", "16/16"):
         assert fact in table
-    assert "p99" in table and "rests on" in table  # N < 1000: the table says p99 is thin
+    # N = 16: each p99 is the largest value, and the table says so, with its interval
+    assert "WARNING at C=4: p99 rests on fewer than 10 samples beyond it" in table
+    assert "TTFT p99 ms [CI]" in table
+    ci = saved["points"][0]["ci"]
+    # p99 of 16 samples sits at index 15 * 0.99 = 14.85: only the largest (index 15) lies beyond
+    assert saved["points"][0]["beyond_p99"]["ttft"] == 1
+    for key in ("ttft.p50", "ttft.p99", "itl.p99", "tpot.p90", "e2el.p50"):
+        lo, hi = ci[key]
+        assert 0 < lo <= hi
+    assert ci["ttft.p50"][0] <= saved["points"][0]["metrics"]["ttft.p50"] <= ci["ttft.p50"][1]
     names = sorted(p.name for p in out.glob("cal_*.png"))
     assert names == ["cal_cdf.png", "cal_throughput_latency.png", "cal_vs_load.png"]
     assert all((out / n).stat().st_size > 10_000 for n in names)
@@ -290,7 +299,7 @@ def test_open_loop_sends_at_the_seeded_poisson_rate():
     assert (len(arrivals) - 1) / arrivals[-1] == pytest.approx(40, rel=0.3)  # this seed's draw
     with Stub(ttft=0.01, gap=0.005) as stub:
         run = run_sync(run_open_loop(Endpoint(stub.url, "m", timeout=10),
-                                     [RequestSpec(s.prompt, s.prompt_len, 3, s.arrival)
+                                     [RequestSpec(s.prompt_len, 3, s.arrival, s.prompt)
                                       for s in first], rate=40))
     assert all(r.success for r in run.results) and len(stub.bodies) == 60
     sent = np.array([r.sent for r in run.results])
@@ -316,6 +325,14 @@ def test_open_loop_max_concurrency_caps_requests_in_flight():
         run = run_sync(run_open_loop(Endpoint(stub.url, "m", timeout=10), specs(9, 3),
                                      rate=math.inf, max_concurrency=3))
     assert stub.max_in_flight == 3 and all(r.success for r in run.results)
+
+
+def test_a_spec_without_a_prompt_fails_the_request_not_the_run():
+    with Stub(ttft=0.01, gap=0.005) as stub:
+        run = run_sync(run_closed_loop(Endpoint(stub.url, "m", timeout=10),
+                                       [RequestSpec(4, 3)], concurrency=1))
+    (r,) = run.results
+    assert not r.success and "without a prompt" in r.error and stub.bodies == []
 
 
 def test_long_tail_dataset_is_the_named_workload():

@@ -1,4 +1,5 @@
-"""FLOP and byte counts against what torch actually does; the named workloads."""
+"""FLOP and byte counts against what torch actually does; the named workloads; capacity and cost
+against examples worked out by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +9,23 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from infer_lab.cache.sizing import kv_bytes_per_token
-from infer_lab.measure import long_tail_mix, nano_vllm_offline, step_bytes, step_flops
+from infer_lab.measure import (
+    LONG_TAIL,
+    RequestSpec,
+    long_tail_mix,
+    nano_vllm_offline,
+    step_bytes,
+    step_flops,
+)
+from infer_lab.measure.capacity import (
+    PRICES,
+    PRICES_DATE,
+    capacity,
+    cost_per_million_tokens,
+    goodput_tokens,
+    meets,
+    roofline_rate,
+)
 from infer_lab.measure.flops import arithmetic_intensity, attended_pairs
 from infer_lab.measure.hardware import GPUS
 from infer_lab.measure.workloads import arrival_times
@@ -87,3 +104,133 @@ def test_nano_vllm_offline_lengths():
     reqs = nano_vllm_offline(n=256)
     assert len(reqs) == 256
     assert all(100 <= r.prompt_len <= 1024 and 100 <= r.output_len <= 1024 for r in reqs)
+
+
+def test_long_tail_constants_live_in_one_place():
+    assert (LONG_TAIL.prompt.alpha, LONG_TAIL.prompt.scale, LONG_TAIL.prompt.cap) == (1.5, 8, 512)
+    assert (LONG_TAIL.output.alpha, LONG_TAIL.output.scale, LONG_TAIL.output.cap) == (1.2, 12, 256)
+    assert LONG_TAIL.max_len == 768
+    assert str(LONG_TAIL) == ("long-tail mix (prompt ⌊8·Pareto(1.5)⌋≤512, "
+                              "output ⌊12·Pareto(1.2)⌋≤256)")
+    # the same draw as the formula, first all prompts then all outputs from one seeded stream
+    rng = np.random.default_rng(5)
+    want_p = np.minimum(np.floor(8 * (1 + rng.pareto(1.5, 20))), 512).astype(int)
+    want_o = np.minimum(np.floor(12 * (1 + rng.pareto(1.2, 20))), 256).astype(int)
+    got = long_tail_mix(20, seed=5)
+    assert [r.prompt_len for r in got] == want_p.tolist()
+    assert [r.output_len for r in got] == want_o.tolist()
+
+
+def test_one_request_type_for_workloads_and_the_load_generator():
+    from infer_lab.measure import loadgen
+
+    assert loadgen.RequestSpec is RequestSpec
+    r = long_tail_mix(1)[0]
+    assert isinstance(r, RequestSpec) and r.prompt is None
+    assert RequestSpec(3, 4) == RequestSpec(prompt_len=3, output_len=4, arrival=0.0)
+    for bad in ((-1, 4), (3, 0)):
+        with pytest.raises(ValueError):
+            RequestSpec(*bad)
+
+
+# --- capacity and cost ---------------------------------------------------------------------
+
+
+def point(load, rps, ttft_p99, ttft_hi, tpot_p99=0.01, tpot_hi=0.012, failed=0, out_tps=None,
+          goodput=None):
+    """A sweep point as ``infer-lab bench`` writes it (seconds), with p99 intervals."""
+    metrics = {"request_throughput": rps, "output_throughput": out_tps or 16 * rps,
+               "ttft.p99": ttft_p99, "tpot.p99": tpot_p99, "failed": failed}
+    if goodput is not None:
+        metrics["goodput"] = goodput
+    return {"load": load, "metrics": metrics,
+            "ci": {"ttft.p99": [ttft_p99 * 0.8, ttft_hi], "tpot.p99": [tpot_p99 * 0.8, tpot_hi]}}
+
+
+SLO = {"ttft": 0.250, "tpot": 0.025}
+
+
+def test_the_upper_bound_decides_not_the_point_estimate():
+    p = point(8, 30.0, ttft_p99=0.240, ttft_hi=0.262)  # the estimate passes, its interval not
+    assert meets(p, SLO, "point") and not meets(p, SLO, "upper")
+    assert not meets(point(8, 30.0, 0.1, 0.2, failed=1), SLO)  # failures never meet an SLO
+    with pytest.raises(ValueError):
+        meets(p, SLO, "median")
+    with pytest.raises(ValueError):
+        meets({"load": 1, "metrics": {"ttft.p99": 0.1}}, SLO)  # no interval stored
+
+
+def test_replicas_from_the_heaviest_trusted_passing_load():
+    pts = [point(1, 6.0, 0.02, 0.03), point(4, 20.0, 0.08, 0.10), point(16, 40.0, 0.20, 0.24),
+           point(64, 45.0, 0.60, 0.80)]
+    cap = capacity(pts, SLO, target_rps=100)
+    assert cap.passing == (True, True, True, False) and cap.monotone
+    # 40 req/s per replica at C=16: ceil(100 / 40) = 3
+    assert (cap.load, cap.rate, cap.replicas) == (16, 40.0, 3)
+    assert capacity(pts, SLO, target_rps=80).replicas == 2  # exactly 2 x 40: no extra replica
+    # a stricter SLO: C=4's estimate (80 ms) passes 90 ms, its upper bound (100 ms) does not
+    strict = capacity(pts, {"ttft": 0.09}, target_rps=100)
+    assert (strict.load, strict.replicas) == (1, 17)  # 0.10 > 0.09 at C=4: ceil(100 / 6)
+    assert capacity(pts, {"ttft": 0.09}, 100, bound="point").replicas == 5  # ceil(100 / 20)
+
+
+def test_a_pass_above_a_failure_is_not_trusted():
+    pts = [point(8, 30.0, 0.20, 0.24), point(16, 36.0, 0.25, 0.30), point(32, 44.0, 0.21, 0.24)]
+    cap = capacity(pts, SLO, target_rps=100)
+    assert cap.passing == (True, False, True) and not cap.monotone
+    assert (cap.load, cap.replicas) == (8, 4)  # C=32 passed again, but after C=16 failed
+    none = capacity([point(1, 5.0, 0.3, 0.4)], SLO, 100)
+    assert none.replicas is None and none.rate is None
+    with pytest.raises(ValueError):
+        capacity(pts, SLO, target_rps=0)
+
+
+def test_cost_per_million_tokens_by_hand():
+    # $3.60 an hour at 1000 tokens/s: 3.6 million tokens an hour -> $1.00 per million
+    assert cost_per_million_tokens(3.60, 1000) == pytest.approx(1.00)
+    # $0.07 an hour at 250 tokens/s: 0.07 / 900 000 * 1e6 = $0.0778
+    assert cost_per_million_tokens(0.07, 250) == pytest.approx(0.07 / 0.9)
+    assert cost_per_million_tokens(1.0, 0) == float("inf")
+    with pytest.raises(ValueError):
+        cost_per_million_tokens(-1.0, 10)
+    assert set(PRICES) >= {"cpu-2vcpu", *GPUS} and PRICES_DATE.startswith("20")
+
+
+def test_goodput_tokens_from_a_point():
+    # 20 req/s of which 15 met the SLO, 320 output tokens/s: 240 good tokens/s
+    assert goodput_tokens(point(4, 20.0, 0.1, 0.1, out_tps=320.0, goodput=15.0)) == 240.0
+    p = point(4, 20.0, 0.1, 0.1, out_tps=320.0, goodput=15.0)
+    p["metrics"]["goodput_tokens"] = 200.0  # measured directly, when the bench stored it
+    assert goodput_tokens(p) == 200.0
+
+
+def test_roofline_rate_by_hand():
+    # A made-up device where everything is round: 100 GB/s, 1 TFLOP/s, 1 GiB.
+    from infer_lab.measure.hardware import Hardware
+
+    gpu = Hardware("toy", 1, 100, 1, 1)
+    weights = CFG.num_parameters() * 2
+    per_seq = (8 + 4) * kv_bytes_per_token(CFG, 2)
+    r = roofline_rate(CFG, gpu, prompt_len=8, output_len=4, tpot_bound=1.0, max_batch=4)
+    assert r.fits and r.batch == 4 and r.limit == "max_batch"
+    step = max(step_bytes(CFG, 4, 1, 10) / 100e9, step_flops(CFG, 4, 1, 10) / 1e12)
+    prefill = step_flops(CFG, 1, 8, 0) / 1e12
+    assert r.step_s == pytest.approx(step)
+    assert r.tokens_per_s == pytest.approx(4 / (4 * step / 4 + prefill))
+    # memory: at most (0.9 GiB - weights) / per_seq sequences
+    mem = int((0.9 * 2**30 - weights) // per_seq)
+    big = roofline_rate(CFG, gpu, 8, 4, tpot_bound=1.0, max_batch=10 * mem)
+    assert big.batch == mem and big.limit == "memory"
+    tight = roofline_rate(CFG, gpu, 8, 4, tpot_bound=step_bytes(CFG, 2, 1, 10) / 100e9 * 1.0001)
+    assert tight.limit == "tpot" and tight.batch == 2
+
+
+def test_roofline_knows_what_does_not_fit():
+    llama3_8b = llama_config(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    t4 = roofline_rate(llama3_8b, GPUS["T4"], 64, 16, tpot_bound=0.05)
+    assert not t4.fits and t4.tokens_per_s == 0  # 16 GB of bf16 weights in a 16 GiB card
+    h100 = roofline_rate(llama3_8b, GPUS["H100-SXM"], 64, 16, tpot_bound=0.05)
+    assert h100.fits and h100.tokens_per_s > 1000
+    with pytest.raises(ValueError):
+        roofline_rate(llama3_8b, GPUS["H100-SXM"], 0, 16, 0.05)

@@ -26,7 +26,6 @@ from infer_lab.measure.loadgen import (
     ClientPool,
     Endpoint,
     RequestResult,
-    RequestSpec,
     RunResult,
     fetch_model,
     make_prompt,
@@ -34,7 +33,11 @@ from infer_lab.measure.loadgen import (
     run_open_loop,
     run_sync,
 )
-from infer_lab.measure.workloads import arrival_times, long_tail_mix
+from infer_lab.measure.report import describe, jsonable, load_label
+from infer_lab.measure.workloads import LONG_TAIL, RequestSpec, arrival_times, long_tail_mix
+
+__all__ = ["add_bench_parser", "build_workload", "describe", "format_table", "jsonable",
+           "load_label", "parse_bench_args", "run_bench"]
 
 DEFAULT_N = {"random": stats.MIN_REQUESTS_FOR_P99, "long-tail": 128}
 CDF_LEVELS = np.linspace(0.0, 1.0, 201)  # quantiles saved per metric, enough to draw a CDF
@@ -91,8 +94,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "server has seen the batch; open loop 4)")
     p.add_argument("--dataset", choices=("random", "long-tail"), default="random",
                    help="random: --input-len/--output-len (± --range-ratio); long-tail: "
-                        "DESIGN.md's long-tail mix (prompt ⌊8·Pareto(1.5)⌋≤512, "
-                        "output ⌊12·Pareto(1.2)⌋≤256)")
+                        f"the {LONG_TAIL}")
     p.add_argument("--input-len", type=int, default=128,
                    help="prompt tokens (random dataset; default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128,
@@ -179,35 +181,7 @@ def build_workload(args: argparse.Namespace, rate: float | None, salt: int = 0,
     kind = args.prompt_kind or ("ids" if args.endpoint == "completions" else "text")
     prompt_rng = np.random.default_rng([args.seed, 1 + salt])
     ids = tuple(args.token_id_range)
-    return [RequestSpec(make_prompt(prompt_rng, p, kind, ids), p, o, t) for p, o, t in shapes]
-
-
-def describe(meta: dict[str, Any]) -> str:
-    """One line that says what was measured: mode, N, lengths, seed, repeats (for every output)."""
-    if meta["dataset"] == "long-tail":
-        lengths = "long-tail mix (prompt ⌊8·Pareto(1.5)⌋≤512, output ⌊12·Pareto(1.2)⌋≤256)"
-    else:
-        rr = f" ±{meta['range_ratio']:.0%}" if meta["range_ratio"] else ""
-        lengths = f"input {meta['input_len']}{rr} / output {meta['output_len']}{rr} tokens"
-    eos = ", ignore_eos" if meta["ignore_eos"] else ""
-    if meta["mode"] == "closed":
-        mode = "closed loop"
-    else:
-        b = meta["burstiness"]
-        arrivals = "Poisson" if b == 1 else f"gamma (burstiness {b:g})"
-        cap = f", max {meta['max_concurrency']} in flight" if meta["max_concurrency"] else ""
-        mode = f"open loop, {arrivals} arrivals{cap}"
-    reps = f", {meta['repeats']} repeats" if meta["repeats"] > 1 else ""
-    warm = meta["num_warmups"]
-    warm = ("max(C, 4)" if meta["mode"] == "closed" else "4") if warm is None else warm
-    return (f"{mode}; N={meta['num_requests']} per run (+{warm} warm-up); "
-            f"{lengths}{eos}; seed {meta['seed']}{reps}")
-
-
-def load_label(point: dict[str, Any]) -> str:
-    """``C=8`` or ``8 req/s`` (``inf req/s`` for everything at t = 0)."""
-    load = float(point["load"])  # JSON keeps inf as "inf"
-    return f"C={load:g}" if point["mode"] == "closed" else f"{load:g} req/s"
+    return [RequestSpec(p, o, t, make_prompt(prompt_rng, p, kind, ids)) for p, o, t in shapes]
 
 
 def _git_commit() -> str | None:
@@ -227,9 +201,39 @@ def _cdf(values: Sequence[float]) -> list[float] | None:
     return [round(float(x), 6) for x in np.quantile(values, CDF_LEVELS)]
 
 
+def intervals(pooled: Sequence[RequestResult], seed: int = 0,
+              n_boot: int = stats.N_BOOT) -> dict[str, Any]:
+    """For each metric: samples, how many lie beyond its p99, and a bootstrap CI per percentile.
+
+    The bootstrap resamples requests (all of a request's ITL gaps go together) of every repeat
+    pooled; :data:`stats.CI_LEVEL` central interval, seeded.
+    """
+    ok = [r for r in pooled if r.success]
+    per_request: dict[str, Any] = {
+        "ttft": np.array([x for r in ok if (x := stats.ttft(r)) is not None]),
+        "tpot": np.array([x for r in ok if (x := stats.tpot(r)) is not None]),
+        "itl": [stats.itls(r) for r in ok],
+        "e2el": np.array([x for r in ok if (x := stats.e2el(r)) is not None]),
+    }
+    ci, samples, above = {}, {}, {}
+    for m, groups in per_request.items():
+        n = int(sum(len(g) for g in groups)) if m == "itl" else int(len(groups))
+        samples[m] = n
+        above[m] = stats.beyond(n, 99)
+        for q, (lo, hi) in stats.bootstrap_ci(groups, seed=seed, n_boot=n_boot).items():
+            ci[f"{m}.{q}"] = [_round(lo), _round(hi)]
+    return {"ci": ci, "ci_level": stats.CI_LEVEL, "ci_method": f"percentile bootstrap over "
+            f"requests, {n_boot} resamples, seed {seed}", "samples": samples,
+            "beyond_p99": above}
+
+
+def _round(x: float) -> float:
+    return x if math.isnan(x) else round(x, 6)
+
+
 def _point(mode: str, load: float, runs: list[dict[str, Any]], warmup_failed: int,
-           pooled: list[RequestResult]) -> dict[str, Any]:
-    """One load point: its runs, the median over repeats, their spread, and the pooled CDFs."""
+           pooled: list[RequestResult], seed: int = 0) -> dict[str, Any]:
+    """One load point: its runs, the median over repeats, their spread, CIs and pooled CDFs."""
     ok = [r for r in pooled if r.success]
     samples = {
         "ttft": [x for r in ok if (x := stats.ttft(r)) is not None],
@@ -249,6 +253,7 @@ def _point(mode: str, load: float, runs: list[dict[str, Any]], warmup_failed: in
                                and r["summary"]["duration"] >= 1.0), default=None),
         "metrics": {k: v["median"] for k, v in stats.spread(summaries).items()},
         "spread": stats.spread(summaries) if len(runs) > 1 else None,
+        **intervals(pooled, seed),
         "send_lag_p99": round(float(np.percentile(lags, 99)), 6) if lags and mode == "open"
         else None,
         "cdf": {"levels": [round(float(q), 4) for q in CDF_LEVELS]}
@@ -331,7 +336,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 runs.append(record)
                 pooled.extend(run.results)
             warmup_failed = sum(not r.success for r in warm_run.results) if warm_run else 0
-            points.append(_point(mode, load, runs, warmup_failed, pooled))
+            points.append(_point(mode, load, runs, warmup_failed, pooled, args.seed))
     finally:
         bar.close()
     result = {"meta": meta, "points": points}
@@ -344,17 +349,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
         result["plots"] = [str(p) for p in plot_all(result, args.plot)]
     return result
-
-
-def jsonable(x: Any) -> Any:
-    """Strict JSON: NaN becomes null and an infinite rate the string "inf"."""
-    if isinstance(x, float):
-        return None if math.isnan(x) else ("inf" if math.isinf(x) else x)
-    if isinstance(x, dict):
-        return {k: jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    return x
 
 
 def _progress(total: int, disable: bool) -> Any:
@@ -388,6 +382,7 @@ def format_table(result: dict[str, Any]) -> str:
             trio = "/".join(_ms(m.get(f"{name}.{p}")) for p in ("p50", "p90", "p99"))
             row += f" {trio:>23} |"
         lines.append(row)
+    lines += ci_table(points)
     repeats = meta["repeats"]
     if repeats > 1:
         lines.append(f"spread over {repeats} repeats, (max-min)/median:")
@@ -418,11 +413,48 @@ def format_table(result: dict[str, Any]) -> str:
         if pt["send_lag_p99"] is not None and pt["send_lag_p99"] > 0.01:
             lines.append(f"note at {load_label(pt)}: sends lagged their schedule by "
                          f"{pt['send_lag_p99'] * 1e3:.0f} ms (p99): the client could not keep up")
-    if meta["num_requests"] < stats.MIN_REQUESTS_FOR_P99:
-        lines.append(f"note: N={meta['num_requests']} < {stats.MIN_REQUESTS_FOR_P99}: each p99 "
-                     f"of TTFT/TPOT/E2EL rests on ~{max(1, meta['num_requests'] // 100)} "
-                     "request(s) above it (ITL pools every chunk, so its p99 is firmer)")
+    lines += tail_warnings(points)
     return "\n".join(lines)
+
+
+def _ci_cell(pt: dict[str, Any], key: str) -> str:
+    """``p99 [lo, hi]`` in ms, from the point's bootstrap interval."""
+    ci = (pt.get("ci") or {}).get(key)
+    value = pt["metrics"].get(key)
+    if value is None or not ci or ci[0] is None:
+        return "-"
+    return f"{value * 1e3:.1f} [{ci[0] * 1e3:.1f}, {ci[1] * 1e3:.1f}]"
+
+
+def ci_table(points: Sequence[dict[str, Any]]) -> list[str]:
+    """p99 of each metric with its confidence interval, and how many samples lie beyond it."""
+    if not points or "ci" not in points[0]:
+        return []
+    level = points[0]["ci_level"]
+    head = (f"{'load':>11} |" + "".join(f" {m.upper() + ' p99 ms [CI]':>26} {'>p99':>5} |"
+                                        for m in stats.METRICS))
+    lines = [f"p99 with its {level:.0%} bootstrap interval over requests; >p99: samples beyond "
+             "it", head, "-" * len(head)]
+    for pt in points:
+        row = f"{load_label(pt):>11} |"
+        for m in stats.METRICS:
+            row += f" {_ci_cell(pt, f'{m}.p99'):>26} {pt['beyond_p99'][m]:>5} |"
+        lines.append(row)
+    return lines
+
+
+def tail_warnings(points: Sequence[dict[str, Any]], p: float = 99) -> list[str]:
+    """A warning per load point whose p99 rests on fewer than :data:`stats.MIN_BEYOND` samples."""
+    lines = []
+    for pt in points:
+        thin = {m: n for m, n in (pt.get("beyond_p99") or {}).items() if n < stats.MIN_BEYOND}
+        if thin:
+            parts = ", ".join(f"{m.upper()} {n}" for m, n in thin.items())
+            lines.append(f"WARNING at {load_label(pt)}: p{p:g} rests on fewer than "
+                         f"{stats.MIN_BEYOND} samples beyond it ({parts}): it is the largest "
+                         f"value or two, not a tail; raise -n to >= "
+                         f"{stats.MIN_REQUESTS_FOR_P99}")
+    return lines
 
 
 def bench_command(args: argparse.Namespace) -> int:

@@ -24,6 +24,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from infer_lab.measure.workloads import RequestSpec
+
+__all__ = ["ClientPool", "Endpoint", "RequestResult", "RequestSpec", "RunResult", "fetch_model",
+           "make_prompt", "run_closed_loop", "run_open_loop", "run_sync", "send_request"]
+
 T = TypeVar("T")
 
 # Ordinary English words, roughly one token each for BPE tokenizers (with the leading space), so
@@ -38,19 +43,6 @@ _WORD_TEXT = (
     "since against go came right used take three house water light word land river city"
 )
 WORDS = tuple(_WORD_TEXT.split())
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """What to send: a prompt (token ids or text), its length, how many tokens to ask for, when.
-
-    ``arrival`` (seconds after the run starts) matters only in an open-loop run.
-    """
-
-    prompt: list[int] | str
-    prompt_len: int
-    output_len: int
-    arrival: float = 0.0
 
 
 @dataclass
@@ -149,6 +141,9 @@ class Endpoint:
 
     def body(self, spec: RequestSpec) -> dict[str, Any]:
         """The JSON body: greedy, exactly ``output_len`` tokens (``ignore_eos``), streamed."""
+        if spec.prompt is None:
+            raise ValueError("a RequestSpec without a prompt cannot be sent: fill it first "
+                             "(bench.build_workload does, with make_prompt)")
         body: dict[str, Any] = {
             "model": self.model, "max_tokens": spec.output_len, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True},

@@ -2,14 +2,19 @@
 
 Each takes the dict that :func:`infer_lab.measure.bench.run_bench` returns (or its JSON, read
 back) and returns a matplotlib ``Figure`` whose title states the load mode, N, the lengths and the
-seed. matplotlib is imported inside the functions, and figures are made without pyplot, so saving
+seed. Percentiles carry error bars: the bootstrap confidence interval over requests that the bench
+stored with each point (and, with ``--repeats``, the min-max over repeats beside it).
+matplotlib is imported inside the functions, and figures are made without pyplot, so saving
 them from the command line needs no display and does not disturb a notebook's backend.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
+
+from infer_lab.measure.report import describe, load_label
 
 METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL (per chunk)", "e2el": "E2EL"}
 
@@ -22,8 +27,6 @@ def _figure(ncols: int, nrows: int = 1, size: tuple[float, float] = (5.0, 3.8)) 
 
 
 def _title(fig: Any, result: dict[str, Any], what: str) -> None:
-    from infer_lab.measure.bench import describe
-
     meta = result["meta"]
     fig.suptitle(f"{what} — {meta['model']}\n{describe(meta)}", fontsize=9)
 
@@ -35,6 +38,33 @@ def _loads(result: dict[str, Any]) -> list[float]:
 def _ms(point: dict[str, Any], key: str) -> float:
     v = point["metrics"].get(key)
     return float("nan") if v is None else v * 1e3
+
+
+def ci_yerr(points: list[dict[str, Any]], key: str) -> list[list[float]]:
+    """``[below, above]`` distances (ms) from each point's value to its CI bounds, for errorbar.
+
+    Zero where a point has no interval (an old result, or no samples); never negative, so a
+    median over repeats that lies outside the pooled interval still draws.
+    """
+    below, above = [], []
+    for p in points:
+        y = _ms(p, key)
+        ci = (p.get("ci") or {}).get(key)
+        if not ci or ci[0] is None or math.isnan(y):
+            below.append(0.0)
+            above.append(0.0)
+            continue
+        below.append(max(0.0, y - ci[0] * 1e3))
+        above.append(max(0.0, ci[1] * 1e3 - y))
+    return [below, above]
+
+
+def spread_yerr(points: list[dict[str, Any]], key: str) -> list[list[float]] | None:
+    """``[below, above]`` distances (ms) to the min and max over repeats; None with one repeat."""
+    if not all(p.get("spread") and key in p["spread"] for p in points):
+        return None
+    return [[max(0.0, _ms(p, key) - p["spread"][key]["min"] * 1e3) for p in points],
+            [max(0.0, p["spread"][key]["max"] * 1e3 - _ms(p, key)) for p in points]]
 
 
 def _log_if_wide(ax: Any) -> None:
@@ -50,16 +80,15 @@ def _log_if_wide(ax: Any) -> None:
 
 def plot_throughput_latency(result: dict[str, Any]) -> Any:
     """Latency against output throughput, one point per load: where the curve turns up is the
-    load past which more traffic buys latency, not throughput."""
-    from infer_lab.measure.bench import load_label
-
+    load past which more traffic buys latency, not throughput. Bars: the bootstrap interval."""
     fig, axes = _figure(2)
     points = result["points"]
     x = [p["metrics"].get("output_throughput", float("nan")) for p in points]
     for ax, metric in zip(axes[0], ("ttft", "tpot")):
         for q, style in (("p50", "o-"), ("p99", "s--")):
-            ax.plot(x, [_ms(p, f"{metric}.{q}") for p in points], style,
-                    label=f"{METRIC_NAMES[metric]} {q}")
+            key = f"{metric}.{q}"
+            ax.errorbar(x, [_ms(p, key) for p in points], yerr=ci_yerr(points, key), fmt=style,
+                        capsize=3, label=f"{METRIC_NAMES[metric]} {q}")
         for xi, p in zip(x, points):
             ax.annotate(load_label(p), (xi, _ms(p, f"{metric}.p50")), fontsize=7,
                         textcoords="offset points", xytext=(3, 3))
@@ -72,8 +101,6 @@ def plot_throughput_latency(result: dict[str, Any]) -> Any:
 
 def plot_cdfs(result: dict[str, Any]) -> Any:
     """CDF of each latency, one line per load point, pooled over repeats: the tail in full."""
-    from infer_lab.measure.bench import load_label
-
     fig, axes = _figure(2, 2)
     for ax, metric in zip(axes.flat, ("ttft", "tpot", "itl", "e2el")):
         for p in result["points"]:
@@ -91,19 +118,22 @@ def plot_cdfs(result: dict[str, Any]) -> Any:
 
 
 def plot_vs_load(result: dict[str, Any]) -> Any:
-    """TTFT and ITL percentiles against the load; bars span min-max over repeats."""
+    """TTFT and ITL percentiles against the load, with the bootstrap interval as error bars
+    (and, with repeats, a second grey bar for the min-max over repeats)."""
     fig, axes = _figure(2)
     loads = _loads(result)
+    points = result["points"]
     closed = result["meta"]["mode"] == "closed"
     for ax, metric in zip(axes[0], ("ttft", "itl")):
         for q in ("p50", "p90", "p99"):
             key = f"{metric}.{q}"
-            y = [_ms(p, key) for p in result["points"]]
-            lo = [y_i - (p["spread"][key]["min"] * 1e3 if p.get("spread") and key in p["spread"]
-                         else y_i) for y_i, p in zip(y, result["points"])]
-            hi = [(p["spread"][key]["max"] * 1e3 if p.get("spread") and key in p["spread"]
-                   else y_i) - y_i for y_i, p in zip(y, result["points"])]
-            ax.errorbar(loads, y, yerr=[lo, hi], marker="o", capsize=3, label=q)
+            y = [_ms(p, key) for p in points]
+            bar = ax.errorbar(loads, y, yerr=ci_yerr(points, key), marker="o", capsize=3,
+                              label=q)
+            rep = spread_yerr(points, key)
+            if rep is not None:
+                ax.errorbar(loads, y, yerr=rep, fmt="none", ecolor=bar[0].get_color(),
+                            alpha=0.4, elinewidth=4)
         ax.set(xlabel="concurrency" if closed else "request rate (req/s)",
                ylabel=f"{METRIC_NAMES[metric]} (ms)")
         if len(loads) > 1 and all(0 < x < float("inf") for x in loads):
@@ -115,8 +145,11 @@ def plot_vs_load(result: dict[str, Any]) -> Any:
             ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    bars = ", bars: min-max over repeats" if result["meta"]["repeats"] > 1 else ""
-    _title(fig, result, f"TTFT and ITL against load{bars}")
+    level = points[0].get("ci_level") if points else None
+    bars = f"bars: {level:.0%} bootstrap CI" if level else "no intervals stored"
+    if result["meta"]["repeats"] > 1:
+        bars += "; wide pale bars: min-max over repeats"
+    _title(fig, result, f"TTFT and ITL against load ({bars})")
     return fig
 
 

@@ -11,6 +11,11 @@
 guidellm calls TPOT "ITL"; here ITL is always the per-chunk gap. Percentiles are numpy's "linear"
 (the same as vLLM's ``np.percentile``), over successful requests only; failures are counted and
 their messages kept, never mixed into latencies and never silently dropped.
+
+A percentile is an estimate, and a p99 from a few hundred requests rests on the two or three
+slowest: :func:`bootstrap_ci` gives each percentile a confidence interval (resampling *requests*,
+so that the gaps of one slow request stay together), and :func:`beyond` says how many samples lie
+past a percentile, the number a reader needs to judge a tail.
 """
 
 from __future__ import annotations
@@ -28,8 +33,12 @@ from infer_lab.measure.loadgen import RequestResult
 
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el")
-# ~10 samples above the p99 make it a measurement rather than the largest value or two.
+# A percentile with fewer than this many samples beyond it is the largest value or two, not a tail.
+MIN_BEYOND = 10
+# The smallest N with MIN_BEYOND samples beyond its p99 (numpy's linear rule): the default N.
 MIN_REQUESTS_FOR_P99 = 1000
+CI_LEVEL = 0.95
+N_BOOT = 1000
 
 
 def ttft(r: RequestResult) -> float | None:
@@ -76,6 +85,68 @@ class Dist:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _json(getattr(self, k)) for k in ("n", "p50", "p90", "p99", "mean")}
+
+
+def beyond(n: int, p: float) -> int:
+    """How many of ``n`` sorted samples lie strictly past the ``p``-th percentile (linear rule).
+
+    numpy puts the percentile at index ``h = (n - 1)·p/100``; the samples after ``⌊h⌋`` are the
+    ones it rests on: 10 for the p99 of 1000 samples, 3 for 300, 1 for 100, none for fewer.
+    """
+    if n < 1:
+        return 0
+    if not 0 <= p <= 100:
+        raise ValueError(f"a percentile is in [0, 100], not {p}")
+    return n - 1 - math.floor((n - 1) * p / 100 + 1e-9)
+
+
+def bootstrap_ci(
+    groups: Sequence[Sequence[float]] | np.ndarray, ps: Sequence[float] = PERCENTILES,
+    level: float = CI_LEVEL, n_boot: int = N_BOOT, seed: int = 0,
+) -> dict[str, tuple[float, float]]:
+    """Percentile-bootstrap confidence intervals of percentiles, resampling whole requests.
+
+    ``groups`` is one sequence of samples per request (the ITL gaps of each request), or a flat
+    array with one sample per request (TTFT). Each of ``n_boot`` resamples draws the requests
+    with replacement, pools their samples, and takes numpy's linear percentile; the interval is
+    the central ``level`` of those. Returns ``{"p99": (lo, hi), ...}``, NaN where there are no
+    samples. Seeded: the same data and seed give the same interval.
+    """
+    if not 0 < level < 1 or n_boot < 1:
+        raise ValueError("level must be in (0, 1) and n_boot >= 1")
+    flat_input = isinstance(groups, np.ndarray) and groups.ndim == 1 or (
+        len(groups) > 0 and np.ndim(groups[0]) == 0)
+    arrays = ([np.asarray(groups, dtype=float)[i:i + 1] for i in range(len(groups))]
+              if flat_input else [np.asarray(g, dtype=float).ravel() for g in groups])
+    arrays = [a for a in arrays if a.size]
+    if not arrays:
+        return {f"p{p:g}": (math.nan, math.nan) for p in ps}
+    values = np.concatenate(arrays)
+    owner = np.repeat(np.arange(len(arrays)), [a.size for a in arrays])
+    order = np.argsort(values, kind="stable")
+    values, owner = values[order], owner[order]
+    rng = np.random.default_rng(seed)
+    est = {p: np.empty(n_boot) for p in ps}
+    chunk = max(1, 2_000_000 // values.size)
+    for start in range(0, n_boot, chunk):
+        b = min(chunk, n_boot - start)
+        picks = rng.integers(0, len(arrays), (b, len(arrays)))
+        counts = np.zeros((b, len(arrays)), dtype=np.int64)
+        np.add.at(counts, (np.arange(b)[:, None], picks), 1)
+        weights = counts[:, owner]  # how often each sorted sample appears in each resample
+        cum = np.cumsum(weights, axis=1)
+        total = cum[:, -1]
+        for p in ps:
+            # numpy's linear rule on the expanded resample: index h, between ⌊h⌋ and ⌊h⌋+1
+            h = (total - 1) * p / 100
+            k = np.floor(h).astype(np.int64)
+            frac = h - k
+            lo_i = (cum <= k[:, None]).sum(axis=1)
+            hi_i = (cum <= np.minimum(k + 1, total - 1)[:, None]).sum(axis=1)
+            est[p][start:start + b] = values[lo_i] + frac * (values[hi_i] - values[lo_i])
+    tail = (1 - level) / 2 * 100
+    return {f"p{p:g}": (float(np.percentile(est[p], tail)),
+                        float(np.percentile(est[p], 100 - tail))) for p in ps}
 
 
 def percentiles(values: Iterable[float], ps: Sequence[float] = PERCENTILES) -> dict[str, float]:
@@ -139,6 +210,7 @@ class Summary:
     e2el: Dist
     slo: dict[str, float] = field(default_factory=dict)
     goodput: float | None = None  # requests/s meeting every SLO; None when no SLO was given
+    goodput_tokens: float | None = None  # output tokens/s of those requests (for cost)
     slo_met: int | None = None
     input_tokens: int = 0
     output_tokens: int = 0
@@ -161,7 +233,8 @@ def summarize(results: Sequence[RequestResult], duration: float,
     in_tok = sum(r.prompt_len for r in ok)
     out_tok = sum(r.output_tokens for r in ok)
     slo = dict(slo or {})
-    met = sum(meets_slo(r, slo) for r in ok) if slo else None
+    good = [r for r in ok if meets_slo(r, slo)] if slo else None
+    met = len(good) if good is not None else None
     return Summary(
         num_requests=len(results), completed=len(ok), failed=len(results) - len(ok),
         duration=duration, request_throughput=per(len(ok)), output_throughput=per(out_tok),
@@ -171,6 +244,7 @@ def summarize(results: Sequence[RequestResult], duration: float,
         itl=Dist.of(g for r in ok for g in itls(r)),
         e2el=Dist.of(x for r in ok if (x := e2el(r)) is not None),
         slo=slo, goodput=per(met) if met is not None else None, slo_met=met,
+        goodput_tokens=per(sum(r.output_tokens for r in good)) if good is not None else None,
         input_tokens=in_tok, output_tokens=out_tok,
         output_len_mismatch=sum(r.output_tokens != r.output_len for r in ok),
         errors=dict(errors.most_common()),
@@ -178,7 +252,7 @@ def summarize(results: Sequence[RequestResult], duration: float,
 
 
 SCALARS = ("request_throughput", "output_throughput", "total_token_throughput", "goodput",
-           "failed")
+           "goodput_tokens", "failed")
 
 
 def scalars(s: Summary | Mapping[str, Any]) -> dict[str, float]:
