@@ -71,6 +71,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = _finite(1.0, 0.0, 2.0, gt=True)
     logit_bias: dict[str, float] | None = None
     best_of: int | None = Field(default=None, ge=1, le=64)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
 
     @field_validator("stop")
     @classmethod

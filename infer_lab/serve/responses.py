@@ -24,6 +24,7 @@ class Shape:
     tokenizer: Tokenizer
     top_logprobs: int | None = None
     usage: bool = False
+    token_ids: bool = False  # render tokens as "token_id:N" (vLLM's return_tokens_as_token_ids)
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per choice
 
@@ -32,6 +33,8 @@ class Shape:
         return "chat.completion" if self.chat else "text_completion"
 
     def token(self, token_id: int) -> str:
+        if self.token_ids:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def body(self, obj: str, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:

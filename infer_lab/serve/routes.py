@@ -8,6 +8,7 @@ end while watching for the client to hang up; a request that fails, fails alone.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -36,6 +37,7 @@ from infer_lab.serve.responses import (
 )
 from infer_lab.serve.state import ServerState, server_state
 
+log = logging.getLogger("infer_lab.serve")
 router = APIRouter()
 SAMPLING_EPS = 1e-5  # below this, temperature or top_p means greedy
 Server = Annotated[ServerState, Depends(server_state)]
@@ -76,7 +78,7 @@ async def completions(body: CompletionRequest, request: Request,
     ids = await server.encode(prompt) if isinstance(prompt, str) else prompt
     params = sampling_params(body, body.max_tokens or 16, body.logprobs)
     shape = Shape(new_id("cmpl"), False, server.model_name, server.tokenizer, body.logprobs,
-                  include_usage(body))
+                  include_usage(body), body.return_tokens_as_token_ids)
     return await run(request, server, shape, ids, params, body.stream)
 
 
@@ -94,7 +96,7 @@ async def chat(body: ChatCompletionRequest, request: Request,
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, wanted or max(1, server.context - len(ids)), top)
     shape = Shape(new_id("chatcmpl"), True, server.model_name, server.tokenizer, top,
-                  include_usage(body))
+                  include_usage(body), body.return_tokens_as_token_ids)
     return await run(request, server, shape, ids, params, body.stream)
 
 
@@ -183,8 +185,11 @@ def failure(item: RequestOutput | Exception) -> APIError | None:
         return APIError(500, "the engine failed on this request", "server_error")
     error = getattr(item, "error", None)
     if error or any(c.finish_reason == "error" for c in item.outputs):
-        return APIError(500, f"the engine failed on this request: {error or 'error'}",
-                        "server_error", code="engine_error")
+        # the engine's message is "the engine failed this request (stage): Type: detail";
+        # the client gets the stage, the log keeps the detail
+        log.warning("request %s failed in the engine: %s", item.request_id, error)
+        where = (error or "").split(": ", 1)[0] or "the engine failed this request"
+        return APIError(500, where, "server_error", code="engine_error")
     return None
 
 

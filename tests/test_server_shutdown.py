@@ -1,0 +1,92 @@
+"""SIGTERM and SIGINT on a real ``infer-lab serve`` process (issue 12, defect 9).
+
+The drain: stop accepting, 503 on /health, let in-flight requests finish within the grace
+period, end every stream still running with an error event and ``[DONE]``, exit 0 quietly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.live_server import free_port
+
+
+def start_server(port: int, grace: float) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer_lab.cli", "serve", "--port", str(port), "--device", "cpu",
+         "--num-kv-blocks", "128", "--shutdown-grace", str(grace)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_drains_then_exits_cleanly(sig):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_server(port, grace=2.0)
+    long_body = {"prompt": "In the beginning", "max_tokens": 1900, "temperature": 0,
+                 "ignore_eos": True, "stream": True}
+    short_body = {"prompt": "Thou shalt", "max_tokens": 40, "temperature": 0,
+                  "ignore_eos": True}
+
+    async def scene() -> tuple[list[str], httpx.Response, int]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            events: list[str] = []
+
+            async def long_stream() -> None:
+                async with http.stream("POST", f"{base}/v1/completions", json=long_body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+
+            streaming = asyncio.ensure_future(long_stream())
+            for _ in range(600):  # until the stream is under way (bounded)
+                if events:
+                    break
+                await asyncio.sleep(0.05)
+            short = asyncio.ensure_future(http.post(f"{base}/v1/completions", json=short_body))
+            await asyncio.sleep(0.3)  # the short request is in flight
+            proc.send_signal(sig)
+            health = 0
+            for _ in range(20):  # while draining, existing connections see 503
+                await asyncio.sleep(0.05)
+                try:
+                    health = (await http.get(f"{base}/health", timeout=2)).status_code
+                except httpx.TransportError:
+                    health = -1
+                if health in (503, -1):
+                    break
+            await asyncio.wait_for(streaming, 60)
+            return events, await asyncio.wait_for(short, 60), health
+
+    events, short, health = asyncio.run(scene())
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "Error" not in err.replace("error event", ""), err
+    assert short.status_code == 200  # in flight at the signal, finished within the grace
+    assert len(short.json()["choices"][0]["text"]) > 0
+    assert short.json()["usage"]["completion_tokens"] == 40
+    assert health in (503, -1)  # draining: no longer "ok"
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["error"]["type"] == "server_error" and "shutting down" in last["error"]["message"]
+    assert len(events) < 1900  # it was cut, not run to the end
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{base}/health", timeout=2)
