@@ -53,6 +53,16 @@ class LLM:
         self.engine = LLMEngine(self.model, self.tokenizer, config)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Release what the engine started (tensor-parallel workers); the LLM is unusable after."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

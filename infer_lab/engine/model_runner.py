@@ -126,6 +126,9 @@ class ModelRunner:
         """Run one step; returns logits ``[len(sampled), vocab]`` and the sampled sequences."""
         if out.block_copies:
             self.cache.copy_blocks(out.block_copies)
+            workers = getattr(self.model, "tp_workers", None)  # tensor parallel: the other ranks
+            if workers is not None:
+                workers.copy_blocks(self.cache, out.block_copies)
         batch, sampled = self.prepare(out)
         n = batch.num_seqs
         if self.graphs and batch.num_tokens == n and len(sampled) == n and n <= max(self.graphs):
