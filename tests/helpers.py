@@ -102,7 +102,7 @@ def assert_greedy_equal(
     logits_at: Callable[[list[int]], torch.Tensor],
     tol: float = 1e-4,
 ) -> None:
-    """Demand equal greedy tokens; a difference is accepted only at a near-tie (DESIGN.md).
+    """Demand equal greedy tokens; a difference is accepted only at a near-tie (top-2 gap <= tol).
 
     ``logits_at(prefix)`` returns the next-token logits after the generated ``prefix``. After an
     accepted near-tie the two continuations legitimately differ, so the comparison stops there.

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from infer_lab.engine import Sampler, SamplingParams
+from infer_lab.engine.sampler import apply_penalties
 
 
 def gen(seed: int) -> torch.Generator:
@@ -82,3 +83,30 @@ def test_temperature_sharpens():
 def test_rows_and_params_must_match():
     with pytest.raises(ValueError, match="rows"):
         Sampler()(torch.zeros(2, 5), [SamplingParams()], [None])
+
+
+def test_penalties_match_a_hand_computed_reference():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5, 0.9],
+                           [2.0, -1.0, 0.5, 3.0, -0.5, 0.9]])
+    pen = SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5,
+                         presence_penalty=0.25)
+    plain = SamplingParams(temperature=0)
+    prompts, outputs = [[0, 4], [0, 4]], [[3, 3, 1], [3, 3, 1]]
+    # Seen (prompt or output): 0, 1, 3, 4. Repetition: positive / 2, negative * 2. Then the
+    # output counts: token 3 twice (-2 * 0.5 - 0.25), token 1 once (-0.5 - 0.25).
+    expected = torch.tensor([2.0 / 2, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0 / 2 - 1.0 - 0.25,
+                             -0.5 * 2, 0.9])
+    got = apply_penalties(logits, [pen, plain], prompts, outputs)
+    torch.testing.assert_close(got[0], expected)
+    assert torch.equal(got[1], logits[1]) and torch.equal(logits[0, :2], torch.tensor([2.0, -1.0]))
+    assert Sampler()(logits, [pen, plain], [None, None], prompts, outputs) == [0, 3]
+    with pytest.raises(ValueError, match="penalties"):
+        Sampler()(logits, [pen, plain], [None, None])
+
+
+def test_penalties_apply_before_temperature_and_top_k():
+    logits = torch.tensor([[4.0, 3.9, -5.0]])
+    p = SamplingParams(temperature=0.7, top_k=1, frequency_penalty=2.0, seed=0)
+    g = torch.Generator().manual_seed(0)
+    # token 0 was generated once: 4.0 - 2.0 = 2.0 < 3.9, so top-1 is token 1
+    assert Sampler()(logits, [p], [g], [[2]], [[0]]) == [1]

@@ -6,7 +6,12 @@ from infer_lab.engine.engine import EngineStats, LLMEngine, StepRecord
 from infer_lab.engine.kv_cache_manager import KVCacheManager
 from infer_lab.engine.llm import LLM
 from infer_lab.engine.model_runner import ModelRunner
-from infer_lab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from infer_lab.engine.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
 from infer_lab.engine.sampler import Sampler
 from infer_lab.engine.sampling_params import SamplingParams
 from infer_lab.engine.scheduler import (
@@ -38,5 +43,6 @@ __all__ = [
     "SequenceStatus",
     "StaticScheduler",
     "StepRecord",
+    "TokenLogprobs",
     "make_scheduler",
 ]

@@ -9,6 +9,7 @@ Chapter 6 are both thin loops around it.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -21,17 +22,26 @@ from infer_lab.cache.sizing import kv_bytes_per_token
 from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.kv_cache_manager import KVCacheManager
 from infer_lab.engine.model_runner import ModelRunner
-from infer_lab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from infer_lab.engine.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
 from infer_lab.engine.sampler import Sampler
 from infer_lab.engine.sampling_params import SamplingParams
 from infer_lab.engine.scheduler import make_scheduler
 from infer_lab.engine.sequence import Request, Sequence, SequenceStatus
+from infer_lab.engine.stop import StopMatcher
 from infer_lab.model.generate import stop_token_ids
 from infer_lab.model.tokenizer import Tokenizer
 from infer_lab.model.transformer import Transformer
 from infer_lab.utils import cdiv
 
 CPU_KV_BYTES = 1 << 30  # default KV pool on CPU: 1 GiB (or less, if that already fits everything)
+MAX_ERROR_LEN = 300  # characters of an exception's text kept in a failed request's error
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +54,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # of which found cached
     num_steps: int
+    num_failed_requests: int = 0  # requests the engine finished with finish_reason "error"
 
 
 @dataclass
@@ -89,7 +100,15 @@ class LLMEngine:
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model, self.tokenizer = model, tokenizer
-        self.config = self._resolve(EngineConfig.from_kwargs(config, **kwargs))
+        config = EngineConfig.from_kwargs(config, **kwargs)
+        if config.tensor_parallel_size > 1:
+            # Rank 0 keeps its slice and starts the other ranks; from here on the model is the
+            # driver that mirrors every forward on them (CUDA graphs would not capture that).
+            from infer_lab.engine.tensor_parallel import TensorParallelWorkers
+
+            model = self.model = TensorParallelWorkers.start(model, config.tensor_parallel_size)
+            config = config.replace(use_cuda_graphs=False)
+        self.config = self._resolve(config)
         self.kv = KVCacheManager(self.config)
         self.scheduler = make_scheduler(self.config, self.kv)
         self.runner = ModelRunner(model, self.config)
@@ -100,6 +119,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_steps = 0
+        self.num_failed_requests = 0
         self.step_log: list[StepRecord] = []
 
     @property
@@ -171,6 +191,8 @@ class LLMEngine:
         request = Request(request_id, text, ids, params,
                           now if arrival_time is None else arrival_time, stops)
         request.forked = params.n == 1
+        if params.stop_strings:
+            request.stop_matcher = StopMatcher(params.stop_strings)
         request.seqs.append(self._new_seq(request, 0, list(ids)))
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
@@ -201,18 +223,31 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done at interpreter exit)."""
+        workers = getattr(self.model, "tp_workers", None)
+        if workers is not None:
+            workers.shutdown()
+
     def get_stats(self) -> EngineStats:
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_kv_blocks_used=self.kv.num_used_blocks, num_kv_blocks_total=self.kv.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
-            num_steps=self.num_steps,
+            num_steps=self.num_steps, num_failed_requests=self.num_failed_requests,
         )
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; returns the requests that got new tokens."""
+        """Schedule, run one forward, sample; returns the requests that got new tokens.
+
+        Whatever goes wrong with one request after the forward (sampling it, detokenizing it,
+        matching its stop strings) fails that request alone: it finishes with
+        ``finish_reason="error"`` and an ``error`` message, its blocks go back, and every other
+        request of the step continues untouched. Only a failure of the forward itself, which
+        belongs to no single request, propagates.
+        """
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -228,22 +263,35 @@ class LLMEngine:
                 self.kv.cache_blocks(seq)
         if any(not s.request.forked for s in sampled):
             logits, sampled = self._fork(logits, sampled)
-        tokens = self.sampler(logits, [s.request.params for s in sampled],
-                              [s.generator for s in sampled]) if sampled else []
+        failed: dict[Request, str] = {}
+        tokens = self._sample(logits, sampled, failed) if sampled else []
+        logprobs = self._logprobs(logits, sampled, tokens, failed)
         now = time.perf_counter()
         finished = []
-        for seq, token in zip(sampled, tokens):
-            self._append(seq, token, now)
+        for seq, token, lp in zip(sampled, tokens, logprobs):
+            if seq.request in failed:
+                continue
+            try:
+                self._append(seq, token, now, lp)
+            except Exception as e:
+                failed[seq.request] = self._describe(seq.request, "its new token", e)
+                continue
             if seq.is_finished:
                 finished.append(seq)
         self.scheduler.finish(finished)
         self.num_steps += 1
         outputs = []
         for request in dict.fromkeys(s.request for s in sampled):
-            if request.is_finished:
-                request.finish_time = now
-                self.requests.pop(request.request_id, None)
-            outputs.append(self._output(request))
+            if request not in failed:
+                if request.is_finished:
+                    request.finish_time = now
+                    self.requests.pop(request.request_id, None)
+                try:
+                    outputs.append(self._output(request))
+                    continue
+                except Exception as e:
+                    failed[request] = self._describe(request, "its output", e)
+            outputs.append(self._fail(request, failed[request], now))
         if record is not None:
             record.end = now
             self.step_log.append(record)
@@ -265,10 +313,92 @@ class LLMEngine:
                 seqs += children
         return logits[rows], seqs
 
-    def _append(self, seq: Sequence, token: int, now: float) -> None:
+    # ------------------------------------------------------------------ per request, isolated
+    def _sample(self, logits: torch.Tensor, sampled: list[Sequence],
+                failed: dict[Request, str]) -> list[int]:
+        """One token per row; if the batched call raises, row by row, failing only bad rows."""
+        params = [s.request.params for s in sampled]
+        gens = [s.generator for s in sampled]
+        penalised = any(p.has_penalties for p in params)
+        prompts = [s.token_ids[: s.num_prompt_tokens] for s in sampled] if penalised else None
+        outs = [s.output_token_ids for s in sampled] if penalised else None
+        try:
+            return self.sampler(logits, params, gens, prompts, outs)
+        except Exception:
+            pass
+        tokens = []
+        for i, seq in enumerate(sampled):
+            try:
+                row = self.sampler(logits[i : i + 1], params[i : i + 1], gens[i : i + 1],
+                                   prompts and prompts[i : i + 1], outs and outs[i : i + 1])
+                tokens.append(row[0])
+            except Exception as e:
+                failed.setdefault(seq.request, self._describe(seq.request, "sampling", e))
+                tokens.append(-1)
+        return tokens
+
+    def _logprobs(self, logits: torch.Tensor, sampled: list[Sequence], tokens: list[int],
+                  failed: dict[Request, str]) -> list[TokenLogprobs | None]:
+        """Log-probabilities of the raw logits for the rows whose request asked (others: None)."""
+        out: list[TokenLogprobs | None] = [None] * len(sampled)
+        rows = [i for i, s in enumerate(sampled)
+                if s.request.params.logprobs is not None and s.request not in failed]
+        if not rows:
+            return out
+        try:
+            raw = torch.log_softmax(logits[rows].float(), dim=-1)
+            k = min(max(sampled[i].request.params.logprobs for i in rows), raw.shape[1])
+            chosen = raw.gather(1, torch.tensor([[tokens[i]] for i in rows],
+                                                device=raw.device)).squeeze(1).tolist()
+            top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        except Exception as e:
+            for i in rows:
+                failed.setdefault(sampled[i].request, self._describe(
+                    sampled[i].request, "log-probabilities", e))
+            return out
+        for r, i in enumerate(rows):
+            want = sampled[i].request.params.logprobs
+            out[i] = TokenLogprobs(tokens[i], chosen[r],
+                                   list(zip(top_ids[r][:want], top_lp[r][:want])))
+        return out
+
+    def _describe(self, request: Request, stage: str, error: Exception) -> str:
+        log.warning("request %s failed alone in %s", request.request_id, stage, exc_info=error)
+        text = f"{type(error).__name__}: {error}"
+        return f"the engine failed this request ({stage}): {text[:MAX_ERROR_LEN]}"
+
+    def _fail(self, request: Request, message: str, now: float) -> RequestOutput:
+        """Finish ``request`` with ``finish_reason="error"`` and free what it holds."""
+        self.scheduler.abort(request.seqs)
+        for seq in request.seqs:
+            seq.finish_reason, seq.stop_reason = "error", None
+        request.finish_time = now
+        self.requests.pop(request.request_id, None)
+        self.num_failed_requests += 1
+        completions = []
+        for seq in request.seqs:
+            text = seq.text[: seq.emitted_text_len]  # only what was already handed out
+            out_ids = seq.output_token_ids[: seq.emitted_tokens]
+            completions.append(CompletionOutput(
+                seq.index, text, out_ids, "error", None, "", [],
+                list(seq.token_times[: seq.emitted_tokens]), seq.num_preemptions,
+                None if seq.logprobs is None else seq.logprobs[: seq.emitted_tokens], [],
+            ))
+        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
+                                 request.first_token_time, request.finish_time)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, True, metrics, message)
+
+    def _append(self, seq: Sequence, token: int, now: float,
+                logprobs: TokenLogprobs | None = None) -> None:
         request, params = seq.request, seq.request.params
         seq.token_ids.append(token)
         seq.token_times.append(now)
+        if logprobs is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(logprobs)
         if request.first_token_time is None:
             request.first_token_time = now
         searched = len(seq.text)
@@ -276,19 +406,17 @@ class LLMEngine:
             seq.text += seq.detokenizer.add(token)
         if token in request.stop_ids:
             self._finish(seq, "stop", None if token in self.eos_ids else token)
-        elif params.stop_strings and self._stop_string(seq, searched):
+        elif request.stop_matcher is not None and self._stop_string(seq, searched):
             return
         elif seq.num_output_tokens >= params.max_tokens:
             self._finish(seq, "length", None)
 
     def _stop_string(self, seq: Sequence, searched: int) -> bool:
-        """Find a stop string in the text added since ``searched``; trim it and finish."""
-        params = seq.request.params
-        start = max(0, searched - params.max_stop_len + 1)
-        hits = [(i, s) for s in params.stop_strings if (i := seq.text.find(s, start)) >= 0]
-        if not hits:
+        """Find a stop string ending in the text added since ``searched``; trim it and finish."""
+        hit = seq.request.stop_matcher.find(seq.text, searched)
+        if hit is None:
             return False
-        at, stop = min(hits)
+        at, stop = hit
         seq.text = seq.text[:at]
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = "stop", stop
@@ -298,7 +426,7 @@ class LLMEngine:
         if seq.detokenizer is not None:
             searched = len(seq.text)
             seq.text += seq.detokenizer.flush()
-            if seq.request.params.stop_strings and self._stop_string(seq, searched):
+            if seq.request.stop_matcher is not None and self._stop_string(seq, searched):
                 return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -312,10 +440,13 @@ class LLMEngine:
             seq.emitted_text_len = safe
             out_ids = seq.output_token_ids
             delta_ids = out_ids[seq.emitted_tokens :]
+            lps = seq.logprobs
+            delta_lps = [] if lps is None else lps[seq.emitted_tokens :]
             seq.emitted_tokens = len(out_ids)
             completions.append(CompletionOutput(
                 seq.index, seq.text[:safe], out_ids, seq.finish_reason, seq.stop_reason,
                 delta_text, delta_ids, list(seq.token_times), seq.num_preemptions,
+                None if lps is None else list(lps), delta_lps,
             ))
         metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
                                  request.first_token_time, request.finish_time)

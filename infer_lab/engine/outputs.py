@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities at one generated position, from the model's raw distribution.
+
+    ``logprob`` is the sampled token's; ``top`` holds the ``k`` most likely tokens (``k`` is the
+    request's ``logprobs``; empty for 0), most likely first, as ``(token_id, logprob)``.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class CompletionOutput:
     """One sample of a request. ``text``/``token_ids`` are everything so far; ``delta_*`` are
     what this step added (what a streaming server sends)."""
@@ -13,12 +26,14 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # when each token was sampled
     num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -48,7 +63,10 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """A request's state after a step. ``text``, ``token_ids`` and ``finish_reason`` are those
-    of the first completion, so that ``outs[0].text`` works whatever ``n`` is."""
+    of the first completion, so that ``outs[0].text`` works whatever ``n`` is.
+
+    ``error`` is set when the engine failed this request alone (its ``finish_reason`` is then
+    ``"error"``); the other requests of the step are not affected."""
 
     request_id: str
     prompt: str | None
@@ -56,6 +74,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None
 
     @property
     def text(self) -> str:

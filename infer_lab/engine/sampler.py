@@ -1,7 +1,8 @@
 """Turn one step's logits into tokens, each row under its own request's settings, in one call.
 
-Rows may differ in temperature, top-k, top-p and seed. The work is done on the whole batch at
-once; the only per-row loop is drawing noise for rows with their own seed.
+Rows may differ in temperature, top-k, top-p, penalties and seed. The work is done on the whole
+batch at once; the only per-row loops are drawing noise for rows with their own seed and
+gathering the token histories of rows with penalties (rows without pay nothing for either).
 
 Sampling uses the *exponential race*: with ``E_i ~ Exp(1)`` independent, ``argmax_i p_i / E_i``
 is a sample from ``p``. Its appeal here is that the randomness (``E``) is drawn separately from
@@ -20,7 +21,7 @@ from infer_lab.engine.sampling_params import SamplingParams
 
 
 class Sampler:
-    """Batched greedy / temperature / top-k / top-p sampling with per-row generators."""
+    """Batched greedy / temperature / top-k / top-p sampling with penalties and per-row seeds."""
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator  # for rows without a seed of their own
@@ -31,18 +32,28 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[int]:
-        """One token per row of ``logits`` ``[B, vocab]``."""
+        """One token per row of ``logits`` ``[B, vocab]`` (never modified).
+
+        ``prompt_ids`` / ``output_ids`` (each row's prompt and generated tokens) are needed only
+        when some row has a penalty.
+        """
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(params)} requests")
-        if all(p.temperature == 0 for p in params):
+        if any(p.has_penalties for p in params):
+            if prompt_ids is None or output_ids is None:
+                raise ValueError("penalties need each row's prompt and output token ids")
+            logits = apply_penalties(logits, params, prompt_ids, output_ids)
+        if all(p.greedy for p in params):
             return logits.argmax(-1).tolist()
         logits = logits.float()
-        device = logits.device
-        greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
-        temps = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        device, vocab = logits.device, logits.shape[1]
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
         scaled = logits / temps[:, None]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # clamp to the vocab
         top_p = [p.top_p for p in params]
         if any(top_k) or any(tp < 1 for tp in top_p):
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
@@ -59,18 +70,60 @@ class Sampler:
         return torch.where(greedy, logits.argmax(-1), sampled).tolist()
 
 
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """A float32 copy of ``logits`` with each row's penalties applied (rows without: unchanged).
+
+    Repetition penalty first (HF, vLLM): a token seen in the prompt or the output has its logit
+    divided by the penalty if positive, multiplied if not. Then OpenAI's: ``frequency_penalty``
+    times the token's count in the output plus ``presence_penalty`` if it occurs there at all,
+    subtracted.
+    """
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    out = logits.float().clone()
+    if not rows:
+        return out
+    device, vocab = out.device, out.shape[1]
+    counts = torch.zeros(len(rows), vocab, device=device)
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    for r, i in enumerate(rows):
+        outs = torch.as_tensor(list(output_ids[i]), dtype=torch.long, device=device)
+        counts[r].index_add_(0, outs, torch.ones(len(outs), device=device))
+        seen[r, torch.as_tensor(list(prompt_ids[i]), dtype=torch.long, device=device)] = True
+    seen |= counts > 0
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[i], name) for i in rows], device=device)[:, None]
+
+    sub = out[rows]
+    rep = column("repetition_penalty")
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+    out[rows] = sub
+    return out
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
 ) -> torch.Tensor:
-    """Set to -inf every logit outside each row's top-k / top-p set (0 / 1.0: no limit)."""
+    """Set to -inf every logit outside each row's top-k / top-p set (0 / 1.0: no limit).
+
+    The most likely token always stays, so a row never loses every token, even for a ``top_p``
+    that is 0 in float32.
+    """
     vocab = logits.shape[1]
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=logits.device)
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=logits.device)
     p = torch.tensor(list(top_p), device=logits.device, dtype=logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)
     drop = rank[None, :] >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)  # top-k first
     before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above this one
-    drop |= before >= p[:, None]  # the top token always stays (its "before" is 0)
+    drop |= before >= p[:, None]
+    drop[:, 0] = False
     mask = torch.empty_like(drop).scatter_(1, order, drop)
     return logits.masked_fill(mask, float("-inf"))

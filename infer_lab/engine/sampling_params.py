@@ -1,13 +1,28 @@
 """How one request wants its tokens chosen and when it wants to stop (vLLM's ``SamplingParams``).
 
-Every field is checked when the object is built, so that a bad value fails where it was written,
+Every field is checked when the object is built, against what the engine can represent (int64
+seeds, float32 logits, a vocabulary-sized top-k), so that a bad value fails where it was written,
 not steps later inside a batch it would take down with it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+# A temperature below this is greedy: dividing float32 logits by it overflows or underflows
+# (1e-40 is subnormal in float32, 1e-46 is 0), and the argmax is what it means anyway. vLLM uses
+# the same epsilon.
+GREEDY_EPSILON = 1e-5
+MAX_TEMPERATURE = 1e4  # beyond this every distribution is flat in float32 anyway
+MAX_STOP_STRINGS = 512  # per request; matching costs per new character, not per stop string
+MAX_STOP_STRING_LEN = 256  # characters; a stream holds back this much text minus one
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit)
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties (OpenAI)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # keeps penalised float32 logits finite
+INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -16,12 +31,22 @@ class SamplingParams:
 
     - ``n``: parallel samples of one prompt; they share the prompt's KV blocks (one prefill).
     - ``max_tokens``: most tokens generated per sample.
-    - ``temperature``: 0 is greedy (argmax); above 0 samples ``softmax(logits / temperature)``.
-    - ``top_k``: keep the k most likely tokens (0 or -1: all). ``top_p``: keep the smallest set
-      of most likely tokens whose probability reaches ``top_p`` (1: all).
-    - ``seed``: a private random stream for this request, so its samples do not depend on what
-      else is in the batch.
-    - ``stop``: strings that end the output (trimmed from the text, as vLLM does);
+    - ``temperature``: 0 (or below ``GREEDY_EPSILON``) is greedy (argmax); above, it samples
+      ``softmax(logits / temperature)``.
+    - ``top_k``: keep the k most likely tokens (0 or -1: all; more than the vocabulary: all).
+      ``top_p``: keep the smallest set of most likely tokens whose probability reaches ``top_p``
+      (1: all; the most likely token always stays).
+    - ``seed``: a private random stream for this request (0 <= seed < 2**63), so its samples do
+      not depend on what else is in the batch.
+    - ``presence_penalty``, ``frequency_penalty`` (OpenAI, in [-2, 2]): subtracted from the logit
+      of every token already generated, once / once per occurrence. ``repetition_penalty`` (HF,
+      vLLM; 1 is off): the logit of every token in the prompt or the output is divided by it if
+      positive and multiplied by it if negative.
+    - ``logprobs``: None (not asked), 0 (the sampled token's log-probability) or k <= 20 (and the
+      k most likely tokens'), from the model's raw distribution, before temperature, top-k/top-p
+      and penalties.
+    - ``stop``: strings that end the output (trimmed from the text, as vLLM does; at most
+      ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_LEN`` characters);
       ``stop_token_ids``: extra token ids that end it; ``ignore_eos``: keep going past EOS.
     - ``detokenize``: build the text (off only for measuring the engine without the tokenizer).
     """
@@ -32,6 +57,10 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
@@ -40,39 +69,88 @@ class SamplingParams:
     max_stop_len: int = field(init=False, repr=False)  # text a stream holds back
 
     def __post_init__(self) -> None:
-        def integer(name: str, value: object) -> int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an integer, got {value!r}")
-            return value
-
-        if integer("n", self.n) < 1:
+        if _integer("n", self.n) < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        if integer("max_tokens", self.max_tokens) < 1:
+        if _integer("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise TypeError(f"temperature must be a number, got {self.temperature!r}")
-        if not self.temperature >= 0 or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if integer("top_k", self.top_k) < -1:
+        temperature = _number("temperature", self.temperature)
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
+                             f"{self.temperature}")
+        if _integer("top_k", self.top_k) < -1:
             raise ValueError(f"top_k must be -1, 0 (both: no limit) or positive, got {self.top_k}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise TypeError(f"top_p must be a number, got {self.top_p!r}")
-        if not 0 < self.top_p <= 1:
+        top_p = _number("top_p", self.top_p)
+        if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None:
-            integer("seed", self.seed)
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        for s in stops:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-        self.stop_strings = tuple(stops)
-        self.max_stop_len = max((len(s) for s in stops), default=0)
-        ids = list(self.stop_token_ids or [])
+        if self.seed is not None and not 0 <= _integer("seed", self.seed) <= INT64_MAX:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        lo, hi = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not lo <= _number(name, getattr(self, name)) <= hi:
+                raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {getattr(self, name)}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= _number("repetition_penalty", self.repetition_penalty) <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1: off), got "
+                             f"{self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= _integer("logprobs", self.logprobs) <= (
+                MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got "
+                             f"{self.logprobs}")
+        for name in ("ignore_eos", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self.stop_strings = _stop_strings(self.stop)
+        self.max_stop_len = max((len(s) for s in self.stop_strings), default=0)
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}")
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
-        self.stop_token_ids = ids
+        self.stop_token_ids = list(ids)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, Sequence) and not isinstance(stop, bytes):
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        stops = list(stop)
+    else:
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if len(s) > MAX_STOP_STRING_LEN:
+            raise ValueError(f"a stop string is at most {MAX_STOP_STRING_LEN} characters, got "
+                             f"one of {len(s)}")
+    return tuple(dict.fromkeys(stops))

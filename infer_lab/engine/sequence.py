@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from infer_lab.cache.block_pool import BlockKey
+from infer_lab.engine.outputs import TokenLogprobs
 from infer_lab.engine.sampling_params import SamplingParams
+from infer_lab.engine.stop import StopMatcher
 from infer_lab.model.tokenizer import IncrementalDetokenizer
 
 
@@ -54,6 +56,7 @@ class Sequence:
     stop_reason: str | int | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, if the request asked
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +87,7 @@ class Request:
     stop_ids: frozenset[int]
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # the n samples exist (n == 1: from the start)
+    stop_matcher: StopMatcher | None = None  # its stop strings, if any
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
