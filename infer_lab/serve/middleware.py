@@ -17,6 +17,7 @@ log = logging.getLogger("infer_lab.serve")
 
 DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")
 _TOO_LARGE = object()
+DRAIN_FACTOR = 4  # a body up to 4x the limit is read (and dropped) so that its 413 arrives
 
 
 async def _send_json(send: Send, body: dict, status: int,
@@ -67,18 +68,19 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         too_large = error_body(f"the request body is over {self.max_bytes} bytes")
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
+        if declared.isdigit() and int(declared) > DRAIN_FACTOR * self.max_bytes:
             return await _send_json(send, too_large, 413, {"Connection": "close"})
         try:
-            body = await asyncio.wait_for(self._read(receive), self.timeout)
+            body, complete = await asyncio.wait_for(self._read(receive), self.timeout)
         except asyncio.TimeoutError:
             return await _send_json(send, error_body("the request body did not arrive in "
                                                      f"{self.timeout:g} s"), 408,
                                     {"Connection": "close"})
         if body is None:  # the client went away mid-body
             return None
-        if body is _TOO_LARGE:
-            return await _send_json(send, too_large, 413, {"Connection": "close"})
+        if body is _TOO_LARGE:  # read to its end (if not absurd), so the client reads the 413
+            return await _send_json(send, too_large, 413,
+                                    None if complete else {"Connection": "close"})
         replayed = False
 
         async def replay() -> Message:
@@ -90,19 +92,25 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, receive: Receive) -> bytes | object | None:
+    async def _read(self, receive: Receive) -> tuple[bytes | object | None, bool]:
+        """(body, whole body read); the body is ``_TOO_LARGE`` past the limit (read on, and
+        dropped, up to ``DRAIN_FACTOR`` times it) and None if the client disconnected."""
         parts, size = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return None
+                return None, True
             chunk = message.get("body", b"")
             size += len(chunk)
+            more = message.get("more_body", False)
             if size > self.max_bytes:
-                return _TOO_LARGE  # stop reading: the answer is 413
+                parts.clear()
+                if not more or size > DRAIN_FACTOR * self.max_bytes:
+                    return _TOO_LARGE, not more
+                continue
             parts.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(parts)
+            if not more:
+                return b"".join(parts), True
 
 
 class CatchAll:

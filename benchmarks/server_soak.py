@@ -1,0 +1,286 @@
+"""The server soaked: well-behaved clients, vanishing clients and hostile requests at once.
+
+Well-behaved clients loop (streaming or not, greedy, known prompts) and check every answer
+against a naive greedy reference; other clients hang up mid-stream or before a non-streaming
+answer; a trickle of hostile requests (int64 ``top_k``, lone surrogates, image parts, chunked
+bodies over the limit, half-sent headers, a flood of stop strings) arrives throughout. The report
+counts outcomes by kind and status, the 429s beyond the queue bound (each must carry
+``Retry-After``), and the worst gap between two events of a well-behaved stream while the
+hostile requests arrived (target: at most 100 ms on a 2-core CPU; not asserted anywhere).
+
+``tests/test_server_soak.py`` runs :func:`soak` for ~30 s against an in-process server and
+asserts on the report; this script runs it longer against a real ``infer-lab serve`` process:
+
+    python -m benchmarks.server_soak [--duration 120] [--clients 16]
+
+and writes ``benchmarks/results/server_soak.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+PROMPTS = ["And God said,", "In the beginning", "Blessed are the", "Thou shalt",
+           "And it came to pass", "The LORD is my shepherd", "For God so loved",
+           "And the LORD spake unto Moses"]
+MAX_TOKENS = 24
+
+
+@dataclass
+class SoakReport:
+    duration_s: float
+    ok: int = 0  # well-behaved requests with their full, correct output
+    wrong: list[str] = field(default_factory=list)  # well-behaved requests with another output
+    busy: int = 0  # 429 answers (each with Retry-After)
+    busy_without_retry_after: int = 0
+    disconnects: int = 0
+    hostile: dict[str, int] = field(default_factory=dict)  # "kind status" -> count
+    server_errors: list[str] = field(default_factory=list)  # any 5xx, anywhere
+    stream_gaps_ms: list[float] = field(default_factory=list)  # worst gap per stream
+
+    @property
+    def worst_gap_ms(self) -> float:
+        return max(self.stream_gaps_ms, default=0.0)
+
+    def summary(self) -> dict[str, Any]:
+        gaps = sorted(self.stream_gaps_ms)
+        out = asdict(self)
+        out.pop("stream_gaps_ms")
+        out["wrong"] = self.wrong[:10]
+        out["streams"] = len(gaps)
+        out["worst_gap_ms"] = round(self.worst_gap_ms, 1)
+        out["p99_worst_gap_ms"] = round(gaps[int(0.99 * (len(gaps) - 1))], 1) if gaps else 0.0
+        out["median_worst_gap_ms"] = round(gaps[len(gaps) // 2], 1) if gaps else 0.0
+        return out
+
+
+def references(max_tokens: int = MAX_TOKENS) -> dict[str, list[str]]:
+    """For each prompt, the text after n greedy tokens, n = 1..max_tokens (naive decode)."""
+    import infer_lab as il
+
+    model, tok = il.load(device="cpu")
+    refs = {}
+    for prompt in PROMPTS:
+        ids = il.generate_naive(model, tok, prompt, max_tokens=max_tokens,
+                                ignore_eos=True).token_ids
+        prompt_ids, texts = tok.encode(prompt), []
+        for n in range(1, max_tokens + 1):  # what the engine sends for a request of n tokens
+            detok = tok.detokenizer(prompt_ids)
+            texts.append("".join(detok.add(t) for t in ids[:n]) + detok.flush())
+        refs[prompt] = texts
+    return refs
+
+
+def _matches(refs: dict[str, list[str]], prompt: str, n: int, text: str) -> bool:
+    want = refs[prompt][n - 1]
+    # a stream holds back nothing at the end, but a mid-text cut may differ in a trailing
+    # partial character: compare what both have settled
+    return text == want or text.rstrip("\ufffd") == want.rstrip("\ufffd")
+
+
+async def _good_client(http: httpx.AsyncClient, base: str, rng: random.Random, refs: dict,
+                       report: SoakReport, deadline: float, hostile_phase: list[bool]) -> None:
+    while time.monotonic() < deadline:
+        prompt, n = rng.choice(PROMPTS), rng.randint(4, MAX_TOKENS)
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        stream = rng.random() < 0.5
+        try:
+            if stream:
+                status, text, gap = await _stream(http, base, body)
+                if status == 200 and hostile_phase[0]:
+                    report.stream_gaps_ms.append(gap * 1000)
+            else:
+                r = await http.post(f"{base}/v1/completions", json=body)
+                status = r.status_code
+                text = r.json()["choices"][0]["text"] if status == 200 else ""
+                if status == 429:
+                    report.busy_without_retry_after += "retry-after" not in r.headers
+        except httpx.HTTPError as e:
+            report.server_errors.append(f"transport: {type(e).__name__}")
+            continue
+        if status == 200:
+            if _matches(refs, prompt, n, text):
+                report.ok += 1
+            else:
+                report.wrong.append(f"{prompt!r} n={n}: {text!r}")
+        elif status == 429:
+            report.busy += 1
+            await asyncio.sleep(0.2 + rng.random() * 0.3)  # a client honouring Retry-After
+        else:
+            report.server_errors.append(f"good request: {status}")
+
+
+async def _stream(http: httpx.AsyncClient, base: str, body: dict) -> tuple[int, str, float]:
+    """(status, text, worst gap in s between two events) of a streamed completion."""
+    text, worst, last = "", 0.0, None
+    async with http.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return r.status_code, "", 0.0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.monotonic()
+            if last is not None:
+                worst = max(worst, now - last)
+            last = now
+            if line != "data: [DONE]":
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    return 500, "", worst
+                if payload["choices"]:
+                    text += payload["choices"][0]["text"]
+    return 200, text, worst
+
+
+async def _quitter(http: httpx.AsyncClient, base: str, rng: random.Random, report: SoakReport,
+                   deadline: float) -> None:
+    while time.monotonic() < deadline:
+        body = {"prompt": rng.choice(PROMPTS), "max_tokens": 400, "ignore_eos": True}
+        if rng.random() < 0.5:
+            async with http.stream("POST", f"{base}/v1/completions",
+                                   json={**body, "stream": True}) as r:
+                seen, stop_at = 0, rng.randint(1, 5)
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= stop_at:
+                        break
+        else:
+            with contextlib.suppress(httpx.TimeoutException):
+                await http.post(f"{base}/v1/completions", json=body,
+                                timeout=0.2 + rng.random() * 0.5)
+        report.disconnects += 1
+        await asyncio.sleep(rng.random() * 0.3)
+
+
+def _hostile_requests() -> list[tuple[str, str, Any]]:
+    """(kind, path, body) of requests that must each get a 4xx."""
+    chat = "/v1/chat/completions"
+    big = b'{"prompt": "' + b"x" * (2 << 20) + b'"}'
+    return [
+        ("top_k_int64", "/v1/completions", {"prompt": "Amen", "top_k": 2**63,
+                                            "temperature": 1.0, "max_tokens": 4}),
+        ("lone_surrogate", chat, b'{"messages": [{"role": "user", "content": "a\\ud800"}]}'),
+        ("text_part_not_str", chat,
+         {"messages": [{"role": "user", "content": [{"type": "text", "text": [1]}]}]}),
+        ("image_part", chat, {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}),
+        ("stop_flood", "/v1/completions", {"prompt": "Amen", "stop": ["s"] * 100_000}),
+        ("nan_temperature", "/v1/completions", b'{"prompt": "Amen", "temperature": NaN}'),
+        ("over_limit", "/v1/completions", big),
+        ("not_json", "/v1/completions", b"{{{{"),
+        ("logit_bias", "/v1/completions", {"prompt": "Amen", "logit_bias": {"1": 100}}),
+    ]
+
+
+async def _hostile_client(http: httpx.AsyncClient, base: str, rng: random.Random,
+                          report: SoakReport, deadline: float, hostile_phase: list[bool]) -> None:
+    kinds = _hostile_requests()
+    port = int(base.rsplit(":", 1)[1])
+    while time.monotonic() < deadline:
+        hostile_phase[0] = True
+        kind, path, body = rng.choice(kinds + [("half_header", "", None)])
+        if kind == "half_header":
+            status = await _half_header(port)
+        else:
+            if isinstance(body, bytes):
+                r = await http.post(f"{base}{path}", content=body,
+                                    headers={"content-type": "application/json"})
+            else:
+                r = await http.post(f"{base}{path}", json=body)
+            status = r.status_code
+        key = f"{kind} {status}"
+        report.hostile[key] = report.hostile.get(key, 0) + 1
+        if status >= 500:
+            report.server_errors.append(f"hostile {key}")
+        await asyncio.sleep(0.05 + rng.random() * 0.2)
+
+
+async def _half_header(port: int) -> int:
+    """Open a socket, send half a header, leave it; the server drops it later (0 = sent)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+    asyncio.get_running_loop().call_later(15, sock.close)  # bounded: we close it ourselves too
+    return 0
+
+
+async def soak(base: str, duration_s: float, clients: int = 12, quitters: int = 4,
+               seed: int = 0, refs: dict | None = None) -> SoakReport:
+    """Run the mix against ``base`` for ``duration_s`` seconds; every loop stops by then."""
+    refs = refs or references()
+    rng = random.Random(seed)
+    report = SoakReport(duration_s)
+    hostile_phase = [False]
+    deadline = time.monotonic() + duration_s
+    limits = httpx.Limits(max_connections=clients + quitters + 8)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        tasks = [_good_client(http, base, random.Random(rng.random()), refs, report, deadline,
+                              hostile_phase) for _ in range(clients)]
+        tasks += [_quitter(http, base, random.Random(rng.random()), report, deadline)
+                  for _ in range(quitters)]
+        tasks.append(_hostile_client(http, base, random.Random(rng.random()), report, deadline,
+                                     hostile_phase))
+        await asyncio.wait_for(asyncio.gather(*tasks), duration_s + 180)
+    return report
+
+
+def main() -> None:
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    from benchmarks._common import provenance, write_results
+    from tests.live_server import free_port, metric, wait_for
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=120.0)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--max-waiting-requests", type=int, default=8)
+    args = parser.parse_args()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "infer_lab.cli", "serve", "--port", str(port),
+                             "--device", "cpu", "--num-kv-blocks", "512", "--max-num-seqs", "32",
+                             "--max-waiting-requests", str(args.max_waiting_requests)],
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert wait_for(lambda: _up(base), 120), "the server did not come up"
+        refs = references()
+        server = psutil.Process(proc.pid)
+        asyncio.run(soak(base, 10, args.clients, refs=refs))  # warm-up: allocator, caches
+        rss0 = server.memory_info().rss
+        report = asyncio.run(soak(base, args.duration, args.clients, refs=refs))
+        rss1 = server.memory_info().rss
+        assert wait_for(lambda: metric(base, "kv_cache_blocks_used") == 0, 30)
+        result = {**report.summary(), "rss_growth_mb": round((rss1 - rss0) / 2**20, 1),
+                  "kv_blocks_used_after": metric(base, "kv_cache_blocks_used"),
+                  "clients": args.clients, "max_waiting_requests": args.max_waiting_requests,
+                  "target_worst_gap_ms": 100}
+        print(json.dumps(result, indent=2))
+        write_results("server_soak", {**provenance("cpu"), **result})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _up(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
