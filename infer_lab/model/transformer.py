@@ -144,13 +144,15 @@ class Transformer(nn.Module):
         inv = rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.inv_freq = inv.to(self.inv_freq.device)
 
+    # The final norm, never quantized, tells the model's device and compute dtype (Chapter 8
+    # replaces the embedding by a quantized table).
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     def forward(
         self,
@@ -186,5 +188,6 @@ class Transformer(nn.Module):
         return self.compute_logits(h)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)
+        if self.lm_head is None:
+            return F.linear(h, self.embed_tokens.weight)
+        return self.lm_head(h)  # nn.Linear, or a quantized head (Chapter 8)

@@ -1,0 +1,113 @@
+"""Matmuls with quantized weights: the dispatch, the CPU fast paths and the torch reference.
+
+``quant_linear(x, layer)`` computes ``x @ W.T (+ bias)`` for a layer whose ``W`` is stored in int8
+(per-row scale), int4 (groups with scale and minimum) or a GGUF block format. Which code runs:
+
+- ``impl="reference"``: dequantize the whole weight to ``x``'s dtype, then ``F.linear``. This is
+  the definition every other path is tested against.
+- Triton (CUDA, or forced with ``backend="triton"``, interpreted on CPU): kernels that dequantize
+  *inside* the matmul (:mod:`infer_lab.kernels.triton_quant`), a GEMV when there are few rows
+  (decode) and a tiled GEMM otherwise (prefill).
+- torch on CPU: the fastest correct kernel torch offers, chosen by measurement
+  (``benchmarks/results/quantization_kernels.json``): ``aten._weight_int8pack_mm`` fed *bf16*
+  activations (its fp32-activation path was 6-25x slower than its bf16 one here) and
+  ``aten._weight_int4pack_mm_for_cpu`` with fp32 activations (exact to fp32 rounding). Rounding
+  the activations to bf16 costs about 3 significant digits, the same as running the model in
+  bf16; ``INT8_CPU_ACTIVATION`` names that choice so a test or the chapter can change it.
+- anything else (GGUF blocks on CPU, int4 with half-precision activations, an output size
+  that is not a multiple of 16 or a group size other than 32-256, which the CPU kernel refuses):
+  the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from infer_lab.kernels.dispatch import resolve_backend, triton_module
+
+IMPLS = (None, "reference", "fast")
+INT8_CPU_ACTIVATION: torch.dtype | None = torch.bfloat16  # None: feed x's own dtype
+TRITON_GEMV_MAX_ROWS = 16  # at most this many rows of x: the GEMV kernel (decode)
+
+
+def quant_linear(x: torch.Tensor, layer: Any, *, backend: str | None = None,
+                 impl: str | None = None) -> torch.Tensor:
+    """``x [..., K] -> [..., N]`` through a quantized layer (see the module docstring)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if x.shape[-1] != layer.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the layer takes {layer.in_features}")
+    if impl == "reference":
+        return quant_linear_ref(x, layer)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if resolve_backend(backend, x) == "triton" and triton_takes(layer):
+        tq = triton_module("triton_quant")
+        if layer.fmt == "int8":
+            y = tq.w8_linear(x2, layer.qweight, layer.scale)
+        else:
+            y = tq.w4_linear(x2, layer.qweight, layer.scale, layer.minimum, layer.group_size)
+    elif x.device.type == "cpu" and layer.fmt == "int8":
+        y = int8_linear_cpu(x2, layer.qweight, layer.scale)
+    elif x.device.type == "cpu" and layer.fmt == "int4" and x.dtype == torch.float32 \
+            and layer.out_features % 16 == 0 and layer.group_size in (32, 64, 128, 256):
+        y = int4_linear_cpu(x2, layer)
+    else:
+        return quant_linear_ref(x, layer)
+    if layer.bias is not None:
+        y = y + layer.bias.to(y.dtype)
+    return y.view(*lead, y.shape[-1])
+
+
+def triton_takes(layer: Any) -> bool:
+    """Do the Triton kernels cover this layer? int8 always; int4 in power-of-two groups >= 32."""
+    g = getattr(layer, "group_size", 0)
+    return layer.fmt == "int8" or (layer.fmt == "int4" and g >= 32 and g & (g - 1) == 0)
+
+
+def quant_linear_ref(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    """Dequantize-then-matmul, in ``x``'s dtype."""
+    bias = None if layer.bias is None else layer.bias.to(x.dtype)
+    return F.linear(x, layer.dequantize(x.dtype), bias)
+
+
+def int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    act_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``aten._weight_int8pack_mm`` with activations (and the scale) in ``act_dtype``."""
+    act = act_dtype or INT8_CPU_ACTIVATION or x.dtype
+    y = torch.ops.aten._weight_int8pack_mm(x.to(act).contiguous(), qweight, scale.to(act))
+    return y.to(x.dtype)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The codes ``[N, K]`` (0..15, uint8) of a nibble-packed ``[N, K/2]`` matrix (low nibble:
+    even column)."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def int4_cpu_pack(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU int4 kernel's own layout of ``layer``'s weight, built once and cached on it.
+
+    ``_weight_int4pack_mm_for_cpu`` wants its nibbles interleaved its own way and computes
+    ``(q - 8) * scale + zero`` per group, so our minimum becomes ``zero = minimum + 8 * scale``.
+    The repacked copy is as large as the weight; it lives only on CPU.
+    """
+    cached = getattr(layer, "_cpu_int4", None)
+    if cached is None:
+        codes = unpack_int4(layer.qweight).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        scale = layer.scale.float()
+        zero = layer.minimum.float() + 8.0 * scale
+        sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [K/g, N, 2]
+        cached = (packed, sz)
+        layer._cpu_int4 = cached
+    return cached
+
+
+def int4_linear_cpu(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    packed, sz = int4_cpu_pack(layer)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, layer.group_size,
+                                                      sz)

@@ -1,0 +1,265 @@
+"""Weight-only quantization (Chapter 8): int8 per output channel, int4 in groups, GGUF blocks.
+
+Decode reads every weight once per step, so its time is set by weight bytes: storing a weight in
+8 or 4 bits instead of 32 or 16 moves fewer bytes per token. The formats here are round-to-nearest
+(no calibration data):
+
+- ``int8``: symmetric, one fp32 scale per output row: ``w ≈ q * s``, ``q`` in [-127, 127],
+  ``s = max|w_row| / 127``. Error per weight at most ``s / 2``.
+- ``int4``: asymmetric, along the input dimension in groups of ``group_size``: ``w ≈ q * s + m``
+  with ``q`` in [0, 15], ``m`` the group's minimum and ``s = (max - min) / 15`` (fp16 each, as
+  llama.cpp's Q4_1 stores them). Two weights per byte; 4 + 32/group_size bits per weight.
+- ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks kept as they are (:class:`GGUFLinear`).
+
+Every linear layer and the embedding (which is also the LM head when tied) are quantized; the
+norms, biases and RoPE tables stay in the model's dtype (they are a rounding error in bytes).
+The matmuls dispatch through :mod:`infer_lab.kernels.quant`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer_lab.kernels import quant as qk
+from infer_lab.kernels.quant import unpack_int4
+
+QUANTIZATIONS = ("int8", "int4", "gguf")
+INT4_DEFAULT_GROUP = 32
+
+
+class QuantizationError(ValueError):
+    """A quantization format, group size or model that cannot go together."""
+
+
+# ---------------------------------------------------------------------------- formats
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q int8 [N, K], scale fp32 [N])`` with ``w ≈ q * scale[:, None]``, per output row."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def check_group_size(in_features: int, group_size: int, name: str = "weight") -> None:
+    """Raise :class:`QuantizationError` unless ``group_size`` is even and divides the input."""
+    if group_size <= 0 or group_size % 2:
+        raise QuantizationError(f"int4 group_size must be a positive even number, got {group_size}")
+    if in_features % group_size:
+        fits = [g for g in (16, 32, 64, 128, 256) if in_features % g == 0]
+        raise QuantizationError(
+            f"int4 group_size {group_size} does not divide {name}'s input dimension "
+            f"{in_features}; group sizes that do: {fits or 'none of 16..256'}"
+        )
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = INT4_DEFAULT_GROUP
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(packed uint8 [N, K/2], scale fp16 [N, K/g], minimum fp16 [N, K/g])``.
+
+    Byte ``j`` of a row holds weight ``2j`` in its low nibble and ``2j + 1`` in its high one. The
+    codes are computed against the fp16-rounded scale and minimum, the values actually stored.
+    """
+    n, k = w.shape
+    check_group_size(k, group_size)
+    g = w.float().view(n, k // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8).half()
+    minimum = lo.half()
+    q = torch.round((g - minimum.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
+    q = q.to(torch.uint8).view(n, k)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed.contiguous(), scale, minimum
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    q = unpack_int4(packed).float()
+    n, k = q.shape
+    group = k // scale.shape[1]
+    w = q.view(n, -1, group) * scale.float()[..., None] + minimum.float()[..., None]
+    return w.view(n, k).to(dtype)
+
+
+# ---------------------------------------------------------------------------- modules
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is stored in ``int8`` or ``int4``; computes in ``x``'s dtype.
+
+    ``backend`` and ``impl`` go to :func:`infer_lab.kernels.quant.quant_linear`: None follows the
+    global kernel setting (Triton on CUDA; on CPU torch's int8/int4 kernels), ``impl="reference"``
+    forces dequantize-then-matmul.
+    """
+
+    def __init__(self, fmt: str, tensors: dict[str, torch.Tensor], in_features: int,
+                 out_features: int, bias: torch.Tensor | None = None, group_size: int = 0) -> None:
+        super().__init__()
+        if fmt not in ("int8", "int4"):
+            raise QuantizationError(f"unknown weight format {fmt!r}")
+        self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.group_size = group_size
+        for name, t in tensors.items():
+            self.register_buffer(name, t)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.backend: str | None = None
+        self.impl: str | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, group_size: int = INT4_DEFAULT_GROUP,
+                    name: str = "weight") -> QuantizedLinear:
+        w = linear.weight.detach()
+        n, k = w.shape
+        if fmt == "int8":
+            q, s = quantize_int8(w)
+            tensors = {"qweight": q, "scale": s}
+            group_size = 0
+        elif fmt == "int4":
+            check_group_size(k, group_size, name)
+            p, s, m = quantize_int4(w, group_size)
+            tensors = {"qweight": p, "scale": s, "minimum": m}
+        else:
+            raise QuantizationError(f"unknown weight format {fmt!r}; use int8 or int4")
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(fmt, tensors, k, n, bias, group_size)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the quantized weight and its scales (the bias, if any, included)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers()) + (
+            0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[out, in]`` weight this layer stands for."""
+        if self.fmt == "int8":
+            return dequantize_int8(self.qweight, self.scale, dtype)
+        return dequantize_int4(self.qweight, self.scale, self.minimum, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return qk.quant_linear(x, self, backend=self.backend, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        g = f", group_size={self.group_size}" if self.fmt == "int4" else ""
+        return f"{self.fmt}, in={self.in_features}, out={self.out_features}{g}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table stored quantized, looked up row by row and dequantized on the fly.
+
+    Rows are the table's output channels, so one int8 scale per token row (or int4 groups along
+    the hidden dimension) serves both the lookup and, when tied, the LM head: ``as_linear``
+    is the same storage seen as a :class:`QuantizedLinear`.
+    """
+
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.out_dtype = dtype
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.table.out_features
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.table.weight_bytes
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        flat = ids.reshape(-1)
+        if t.fmt == "int8":
+            rows = t.qweight[flat].float() * t.scale[flat, None]
+        elif t.fmt == "int4":
+            rows = dequantize_int4(t.qweight[flat], t.scale[flat], t.minimum[flat])
+        else:
+            rows = t.dequantize_rows(flat)
+        return rows.to(self.out_dtype).view(*ids.shape, -1)
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Every byte of the model's weights: parameters and buffers, each storage counted once.
+
+    The RoPE frequency table (computed, not loaded) is left out.
+    """
+    seen: set[int] = set()
+    total = 0
+    tensors = [t for n, t in model.named_parameters(remove_duplicate=False)]
+    tensors += [t for n, t in model.named_buffers(remove_duplicate=False)
+                if not n.endswith("inv_freq")]
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+# ---------------------------------------------------------------------------- the model
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def check_quantization(model: nn.Module, quantization: str, group_size: int) -> None:
+    """Raise :class:`QuantizationError` if ``model`` cannot take ``quantization``; no change."""
+    if quantization not in ("int8", "int4"):
+        raise QuantizationError(
+            f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}"
+            + ("; 'gguf' keeps a GGUF file's blocks and needs a .gguf model" if quantization
+               == "gguf" else ""))
+    if getattr(model, "quantization", None):
+        raise QuantizationError(f"the model is already quantized ({model.quantization})")
+    if model.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise QuantizationError(f"cannot quantize a {model.dtype} model")
+    if quantization == "int4":
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear):
+                check_group_size(mod.in_features, group_size, name)
+        check_group_size(model.config.hidden_size, group_size, "embed_tokens")
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, quantization: str, group_size: int = INT4_DEFAULT_GROUP
+                   ) -> nn.Module:
+    """Quantize ``model`` (a :class:`~infer_lab.model.transformer.Transformer`) in place.
+
+    Every linear layer and the embedding / LM head become quantized modules; a tied head shares
+    the embedding's quantized storage. Everything is checked before anything changes, so a bad
+    combination (e.g. int4 groups of 128 on SmolLM2's 576-wide layers) raises and leaves the
+    model as it was. Returns the model, with ``model.quantization`` set.
+    """
+    check_quantization(model, quantization, group_size)
+    dtype = model.dtype
+    for i, layer in enumerate(model.layers):
+        for path in _LINEARS:
+            parent_name, attr = path.split(".")
+            parent = getattr(layer, parent_name)
+            lin = getattr(parent, attr)
+            setattr(parent, attr, QuantizedLinear.from_linear(
+                lin, quantization, group_size, f"layers.{i}.{path}"))
+    emb_linear = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    emb_linear.weight = model.embed_tokens.weight
+    table = QuantizedLinear.from_linear(emb_linear, quantization, group_size, "embed_tokens")
+    model.embed_tokens = QuantizedEmbedding(table, dtype)
+    if model.lm_head is None:
+        model.lm_head = table  # tied: the head *is* the quantized table
+    else:
+        model.lm_head = QuantizedLinear.from_linear(model.lm_head, quantization, group_size,
+                                                    "lm_head")
+    model.quantization = quantization if quantization != "int4" else f"int4-g{group_size}"
+    return model
+
+
+def dequantized_copy_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """name -> the dequantized weight of every quantized module (for tests and the chapter)."""
+    return {name: mod.dequantize() for name, mod in model.named_modules()
+            if isinstance(mod, QuantizedLinear)}
+
+
+def linear_reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    """Dequantize the whole weight, then an ordinary matmul: the definition of the layer."""
+    return F.linear(x, layer.dequantize(x.dtype), None if layer.bias is None
+                    else layer.bias.to(x.dtype))
