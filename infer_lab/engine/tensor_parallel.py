@@ -92,8 +92,12 @@ class TensorParallelWorkers:
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process")
         device = model.device
-        backend = backend or ("nccl" if device.type == "cuda" and
-                              os.environ.get("INFER_LAB_TP_BACKEND") != "gloo" else "gloo")
+        # One GPU per rank where there are enough (NCCL); otherwise every rank on rank 0's device
+        # over gloo, which also takes CUDA tensors (how the one-GPU machine runs tp 2).
+        spread = device.type == "cuda" and torch.cuda.device_count() >= tp
+        backend = backend or os.environ.get("INFER_LAB_TP_BACKEND") or (
+            "nccl" if spread else "gloo")
+        worker_device = [f"cuda:{r}" if spread else str(device) for r in range(tp)]
         init = f"tcp://127.0.0.1:{_free_port()}"
         # The weights go to the workers once, through a file in memory (/dev/shm where there is
         # one) that each maps; workers are fresh interpreters (no fork of a threaded process,
@@ -109,7 +113,7 @@ class TensorParallelWorkers:
         env = dict(os.environ, INFER_LAB_TP_AUTHKEY=authkey.hex())
         procs = [subprocess.Popen(
             [sys.executable, "-m", "infer_lab.engine.tensor_parallel", str(rank), str(tp), init,
-             backend, str(device), weights, f"{listener.address[0]}:{listener.address[1]}",
+             backend, worker_device[rank], weights, f"{listener.address[0]}:{listener.address[1]}",
              str(os.getpid())], env=env) for rank in range(1, tp)]
         workers = cls(procs, [None] * (tp - 1), device)
         try:
