@@ -14,7 +14,9 @@
   ``aten._weight_int4pack_mm_for_cpu`` with fp32 activations (exact to fp32 rounding). Rounding
   the activations to bf16 costs about 3 significant digits, the same as running the model in
   bf16; ``INT8_CPU_ACTIVATION`` names that choice so a test or the chapter can change it.
-- anything else (GGUF blocks on CPU, int4 with half-precision activations, an output size
+- GGUF's Q8_0 (``int8g``, int8 with a scale per group of 32) on CPU: the int8 kernel once per
+  group, partial sums added in fp32.
+- anything else (int4 with half-precision activations, an output size
   that is not a multiple of 16 or a group size other than 32-256, which the CPU kernel refuses):
   the reference.
 """
@@ -52,6 +54,8 @@ def quant_linear(x: torch.Tensor, layer: Any, *, backend: str | None = None,
             y = tq.w4_linear(x2, layer.qweight, layer.scale, layer.minimum, layer.group_size)
     elif x.device.type == "cpu" and layer.fmt == "int8":
         y = int8_linear_cpu(x2, layer.qweight, layer.scale)
+    elif x.device.type == "cpu" and layer.fmt == "int8g":
+        y = int8g_linear_cpu(x2, layer)
     elif x.device.type == "cpu" and layer.fmt == "int4" and x.dtype == torch.float32 \
             and layer.out_features % 16 == 0 and layer.group_size in (32, 64, 128, 256):
         y = int4_linear_cpu(x2, layer)
@@ -86,6 +90,24 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The codes ``[N, K]`` (0..15, uint8) of a nibble-packed ``[N, K/2]`` matrix (low nibble:
     even column)."""
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def int8g_linear_cpu(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    """GGUF Q8_0 (int8 codes, one scale per row and group of 32) with the int8 CPU kernel, one
+    call per group: ``y = sum_g int8mm(x_g, q_g, s_g)``. Each call reads its group's codes once,
+    so the whole weight is read once, as in one call; the partial sums add up in fp32."""
+    act = INT8_CPU_ACTIVATION or x.dtype
+    scales = getattr(layer, "_cpu_int8g_scale", None)
+    if scales is None or scales.dtype != act:
+        scales = layer.scale.t().to(act).contiguous()  # [G, N]
+        layer._cpu_int8g_scale = scales
+    xa = x.to(act)
+    group = layer.qweight.shape[-1]
+    y = torch.zeros(x.shape[0], layer.out_features, dtype=torch.float32, device=x.device)
+    for g in range(layer.qweight.shape[0]):
+        part = xa[:, g * group : (g + 1) * group].contiguous()
+        y += torch.ops.aten._weight_int8pack_mm(part, layer.qweight[g], scales[g]).float()
+    return y.to(x.dtype)
 
 
 def int4_cpu_pack(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:

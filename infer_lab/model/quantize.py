@@ -18,6 +18,9 @@ The matmuls dispatch through :mod:`infer_lab.kernels.quant`.
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -99,7 +102,7 @@ class QuantizedLinear(nn.Module):
     def __init__(self, fmt: str, tensors: dict[str, torch.Tensor], in_features: int,
                  out_features: int, bias: torch.Tensor | None = None, group_size: int = 0) -> None:
         super().__init__()
-        if fmt not in ("int8", "int4"):
+        if fmt not in ("int8", "int4", "int8g"):
             raise QuantizationError(f"unknown weight format {fmt!r}")
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
         self.group_size = group_size
@@ -137,13 +140,23 @@ class QuantizedLinear(nn.Module):
         """The ``[out, in]`` weight this layer stands for."""
         if self.fmt == "int8":
             return dequantize_int8(self.qweight, self.scale, dtype)
+        if self.fmt == "int8g":
+            return self.dequantize_rows(slice(None), dtype)
         return dequantize_int4(self.qweight, self.scale, self.minimum, dtype)
+
+    def dequantize_rows(self, rows: torch.Tensor | slice,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``rows`` of the weight; for ``int8g`` (GGUF Q8_0: int8 codes stored group-major
+        ``[K/32, N, 32]``, an fp16 scale per row and group ``[N, K/32]``)."""
+        codes = self.qweight[:, rows].float()  # [G, n, 32]
+        w = codes * self.scale[rows].t().float()[..., None]
+        return w.permute(1, 0, 2).reshape(w.shape[1], -1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return qk.quant_linear(x, self, backend=self.backend, impl=self.impl)
 
     def extra_repr(self) -> str:
-        g = f", group_size={self.group_size}" if self.fmt == "int4" else ""
+        g = f", group_size={self.group_size}" if self.group_size else ""
         return f"{self.fmt}, in={self.in_features}, out={self.out_features}{g}"
 
 
@@ -177,7 +190,7 @@ class QuantizedEmbedding(nn.Module):
             rows = dequantize_int4(t.qweight[flat], t.scale[flat], t.minimum[flat])
         else:
             rows = t.dequantize_rows(flat)
-        return rows.to(self.out_dtype).view(*ids.shape, -1)
+        return rows.to(self.out_dtype).view(*ids.shape, rows.shape[-1])
 
 
 def model_weight_bytes(model: nn.Module) -> int:
@@ -263,3 +276,114 @@ def linear_reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     """Dequantize the whole weight, then an ordinary matmul: the definition of the layer."""
     return F.linear(x, layer.dequantize(x.dtype), None if layer.bias is None
                     else layer.bias.to(x.dtype))
+
+
+# ---------------------------------------------------------------------------- GGUF blocks
+GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def gguf_block_tensors(data: np.ndarray, qtype: str, rows: int, cols: int
+                       ) -> tuple[str, dict[str, torch.Tensor]]:
+    """llama.cpp blocks of 32 weights, re-laid into this module's formats *without rounding*.
+
+    - Q4_1 (20 bytes: fp16 ``d``, fp16 ``m``, 16 bytes of nibbles; weight ``j`` is the low
+      nibble of byte ``j``, weight ``j + 16`` its high nibble; ``w = q * d + m``): int4, g32, with
+      ``scale = d`` and ``minimum = m``, the same bits in another order.
+    - Q4_0 (18 bytes, ``w = (q - 8) * d``): int4 g32 with ``minimum = -8 d`` (exact in fp16).
+    - Q8_0 (34 bytes: fp16 ``d``, 32 int8, ``w = q * d``): ``int8g``, int8 codes with one fp16
+      scale per row and group of 32.
+    """
+    if qtype not in GGUF_BLOCK_TYPES:
+        raise QuantizationError(f"GGUF tensors of type {qtype} are not kept as blocks; "
+                                f"quantization='gguf' keeps {', '.join(GGUF_BLOCK_TYPES)}")
+    nb = cols // 32
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
+    blocks = np.ascontiguousarray(data).reshape(rows, nb, size)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])  # [rows, nb]
+    if qtype == "Q8_0":
+        codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))  # [rows, nb, 32]
+        return "int8g", {"qweight": codes.permute(1, 0, 2).contiguous(), "scale": d}
+    start = 4 if qtype == "Q4_1" else 2
+    qs = blocks[..., start:]  # [rows, nb, 16]: weight i < 16 low nibble of byte i, else high
+    even, odd = qs[..., 0::2], qs[..., 1::2]
+    # our byte j holds weights 2j (low) and 2j + 1 (high): low nibbles for j < 8, high after
+    packed = np.concatenate([(even & 15) | ((odd & 15) << 4), (even >> 4) | (odd & 0xF0)], -1)
+    packed = torch.from_numpy(packed.reshape(rows, cols // 2))
+    if qtype == "Q4_1":
+        minimum = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+    else:
+        minimum = -8 * d
+    return "int4", {"qweight": packed, "scale": d, "minimum": minimum}
+
+
+def _take_rows(fmt: str, t: dict[str, torch.Tensor], order: np.ndarray) -> dict[str, torch.Tensor]:
+    idx = torch.from_numpy(order)
+    if fmt == "int8g":
+        return {"qweight": t["qweight"][:, idx], "scale": t["scale"][idx]}
+    return {k: v[idx] for k, v in t.items()}
+
+
+@torch.no_grad()
+def keep_gguf_blocks(model: nn.Module, path: str | os.PathLike | object) -> nn.Module:
+    """Replace the model's linears and embedding by the GGUF file's own Q4_0/Q4_1/Q8_0 blocks.
+
+    ``model`` was loaded from the same file (dequantized); its norms stay. Fused projections
+    (q/k/v, gate/up) concatenate their pieces' rows, which must share one format; q and k rows
+    are put back in Hugging Face's order as the loader does for the dequantized matrices.
+    """
+    from infer_lab.model.gguf import _GLOBAL_TENSORS, _LAYER_TENSORS, _File, _unpermute
+
+    if getattr(model, "quantization", None):
+        raise QuantizationError(f"the model is already quantized ({model.quantization})")
+    from gguf import GGMLQuantizationType
+
+    f = path if isinstance(path, _File) else _File(path)  # the loader may pass its parsed file
+    cfg, dtype = model.config, model.dtype
+    pieces: dict[str, list[tuple[int, str, dict[str, torch.Tensor]]]] = {}
+    for name, tensor in f.tensors.items():
+        base = name.removesuffix(".weight")
+        parts = base.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+            local, index = _LAYER_TENSORS[parts[2]]
+            if "norm" in local:
+                continue
+            ours = f"layers.{parts[1]}.{local}"
+        elif base in ("token_embd", "output"):
+            ours, index = _GLOBAL_TENSORS[base], None
+        else:
+            continue
+        qtype = GGMLQuantizationType(tensor.tensor_type).name
+        cols, rows = (int(d) for d in tensor.shape)  # gguf lists the fastest axis first
+        fmt, t = gguf_block_tensors(np.asarray(tensor.data), qtype, rows, cols)
+        if parts[-1] in ("attn_q", "attn_k"):
+            heads = cfg.num_attention_heads if parts[-1] == "attn_q" else cfg.num_key_value_heads
+            order = _unpermute(np.arange(rows)[:, None], heads)[:, 0]
+            t = _take_rows(fmt, t, order)
+        pieces.setdefault(ours, []).append((index or 0, fmt, t))
+    for ours, parts_ in sorted(pieces.items()):
+        parts_.sort(key=lambda p: p[0])
+        fmts = {p[1] for p in parts_}
+        if len(fmts) != 1:
+            raise QuantizationError(f"{ours}: its GGUF pieces mix formats {sorted(fmts)}")
+        fmt = fmts.pop()
+        cat_dim = {"qweight": 1 if fmt == "int8g" else 0, "scale": 0, "minimum": 0}
+        t = {k: torch.cat([p[2][k] for p in parts_], dim=cat_dim[k]).to(model.device)
+             for k in parts_[0][2]}
+        n = t["scale"].shape[0]
+        k_in = cfg.hidden_size if ours in ("embed_tokens", "lm_head") else None
+        if ours == "embed_tokens":
+            layer = QuantizedLinear(fmt, t, k_in, n, None, 32)
+            model.embed_tokens = QuantizedEmbedding(layer, dtype)
+            if model.lm_head is None:
+                model.lm_head = layer
+            continue
+        old = model.get_submodule(ours)
+        bias = None if getattr(old, "bias", None) is None else old.bias.detach().clone()
+        layer = QuantizedLinear(fmt, t, old.in_features if k_in is None else k_in, n, bias, 32)
+        parent, _, attr = ours.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+    left = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if left or not isinstance(model.embed_tokens, QuantizedEmbedding):
+        raise QuantizationError(f"{f.path.name}: no GGUF blocks for {left or ['embed_tokens']}")
+    model.quantization = "gguf"
+    return model
