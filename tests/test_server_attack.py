@@ -179,6 +179,17 @@ def test_half_sent_header_is_dropped(server):
     assert httpx.get(f"{server}/health").status_code == 200
 
 
+def test_a_body_that_trickles_in_is_dropped():
+    app = make_app(None, device="cpu", num_kv_blocks=16, body_timeout=1.0)
+    with running(app) as base, socket.create_connection(
+            ("127.0.0.1", int(base.rsplit(":", 1)[1]))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        s.settimeout(10)
+        reply = s.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive" in reply
+
+
 def test_health_reports_a_dead_engine():
     app = make_app(None, device="cpu", num_kv_blocks=32)
     with running(app) as base:

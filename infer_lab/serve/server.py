@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import signal
@@ -39,15 +38,6 @@ def model_id(model: str | os.PathLike | None, path: Path, served_model_name: str
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def _new_engine(model: Any, tokenizer: Any, config: EngineConfig) -> LLMEngine:
-    """``LLMEngine(model, tokenizer, config)``; until the engine takes a config, its fields."""
-    if "config" in inspect.signature(LLMEngine).parameters:
-        return LLMEngine(model, tokenizer, config)
-    accepted = inspect.signature(LLMEngine).parameters
-    fields = {k: v for k, v in vars(config).items() if k in accepted}
-    return LLMEngine(model, tokenizer, **fields)
-
-
 def make_app(
     model: str | os.PathLike | None = None,
     *,
@@ -58,6 +48,7 @@ def make_app(
     api_key: str | None = None,
     api_key_all_routes: bool = False,
     max_body_bytes: int = 1 << 20,
+    body_timeout: float = 30.0,
     max_waiting_requests: int = 256,
     max_waiting_tokens: int = 1 << 18,
     vllm_metric_names: bool = False,
@@ -69,12 +60,12 @@ def make_app(
     name = model_id(model, path, served_model_name)
     config = EngineConfig.from_kwargs(config, **engine_args)
     llm_model, tokenizer = load(path, device=device, dtype=dtype)
-    engine = AsyncEngine(_new_engine(llm_model, tokenizer, config),
+    engine = AsyncEngine(LLMEngine(llm_model, tokenizer, config),
                          ServerMetrics(name, vllm_names=vllm_metric_names),
                          max_waiting_requests=max_waiting_requests,
                          max_waiting_tokens=max_waiting_tokens)
     return build_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes,
-                     guard_all=api_key_all_routes)
+                     guard_all=api_key_all_routes, body_timeout=body_timeout)
 
 
 class GuardedH11Protocol(H11Protocol):
