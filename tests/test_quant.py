@@ -241,3 +241,14 @@ def test_bad_combinations_raise_and_leave_the_model_alone():
     quantize_model(model, "int8")
     with pytest.raises(QuantizationError, match="already quantized"):
         quantize_model(model, "int4", 32)
+
+
+def test_load_with_quantization_and_its_errors():
+    model, tok = il.load(quantization="int4", group_size=64)
+    assert model.quantization == "int4-g64" and tok.vocab_size == model.config.vocab_size
+    with pytest.raises(QuantizationError, match="one of"):
+        il.load(quantization="int5")
+    with pytest.raises(QuantizationError, match="safetensors checkpoint"):
+        il.load(quantization="gguf")  # the bundled model has no GGUF blocks to keep
+    with pytest.raises(QuantizationError, match="does not divide"):
+        il.load(quantization="int4", group_size=96)  # 256 wide layers: 96 does not divide

@@ -215,10 +215,17 @@ def load(
     model: str | os.PathLike | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    quantization: str | None = None,
+    group_size: int = 32,
 ) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer: the bundled model by default, else a directory, a ``.gguf``
     file (or a directory holding one), a named model such as ``"smollm2-135m-instruct"``, or a hub
-    id."""
+    id. ``quantization``: ``"int8"``, ``"int4"`` (in groups of ``group_size``) or ``"gguf"`` (a
+    GGUF file's blocks kept as they are); see :mod:`infer_lab.model.quantize`."""
+    if quantization is not None:
+        from infer_lab.model.quantize import load_quantized
+
+        return load_quantized(model, device, dtype, quantization, group_size)
     path = resolve_model_path(model)
     if str(path) in registry.NAMED_MODELS and not path.exists():
         return random_named_model(str(path), device, dtype)

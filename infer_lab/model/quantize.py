@@ -387,3 +387,33 @@ def keep_gguf_blocks(model: nn.Module, path: str | os.PathLike | object) -> nn.M
         raise QuantizationError(f"{f.path.name}: no GGUF blocks for {left or ['embed_tokens']}")
     model.quantization = "gguf"
     return model
+
+
+def load_quantized(model: str | os.PathLike | None, device: torch.device | str | None,
+                   dtype: torch.dtype | str | None, quantization: str, group_size: int = 32
+                   ) -> tuple[nn.Module, object]:
+    """``il.load(..., quantization=...)``: load, then quantize (or keep a GGUF file's blocks).
+
+    The format is checked before seconds of loading; ``"gguf"`` needs a GGUF model and reads the
+    file once for the model, its tokenizer and its blocks.
+    """
+    from infer_lab.model import gguf, loader, registry
+
+    if quantization not in QUANTIZATIONS:
+        raise QuantizationError(
+            f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}")
+    if quantization != "gguf":
+        m, tok = loader.load(model, device, dtype)
+        return quantize_model(m, quantization, group_size), tok
+    path = loader.resolve_model_path(model)
+    if str(path) in registry.NAMED_MODELS and not path.exists():
+        raise QuantizationError(f"quantization='gguf' needs the real {path} file; the random "
+                                "stand-in has no GGUF blocks (use int4 or int8)")
+    file = None if (path / "config.json").is_file() else gguf.find_gguf(path)
+    if file is None:
+        raise QuantizationError(f"quantization='gguf' keeps a GGUF file's blocks, and {path} is "
+                                "a safetensors checkpoint; use 'int8' or 'int4'")
+    f = gguf._File(file)
+    tok = gguf._tokenizer(f)
+    m = gguf._load_model(f, device, dtype)
+    return keep_gguf_blocks(m, f), tok
