@@ -1,0 +1,151 @@
+"""The KV cache in 8 bits (Chapter 8): int8 with a scale per token and head, or float8_e4m3fn.
+
+The KV cache is what runs out first (Chapters 2-3): at 16 bits a token of Llama-3-8B costs 128 KiB.
+Storing K and V in one byte each halves that, so the same memory admits about twice the tokens.
+
+- ``"int8"``: each cached vector (one token, one KV head: ``head_dim`` numbers) is stored as int8
+  codes with its own fp16 scale ``max|x| / 127``; a token-and-head granularity follows outliers
+  in individual tokens (attention sinks) without hurting the rest. Overhead: 2 bytes per
+  ``head_dim`` bytes, 1.6 % at ``head_dim`` 128.
+- ``"fp8_e4m3"``: the values themselves in torch's ``float8_e4m3fn`` (3 mantissa bits, range
+  ±448, out-of-range values saturate), no scale. On CPU torch stores and gathers fp8 but does no
+  arithmetic on it, so the attention path upcasts what it reads.
+
+Both plug into the paged attention of :mod:`infer_lab.cache.paged` without changing it: an
+fp8 cache is a plain :class:`PagedKVCache` of that dtype (the attention already casts what it
+gathers to the query's dtype), and an int8 cache hands out :class:`Int8Blocks` per layer, which
+index like the float block tensors they replace: writing through ``view(-1, H, D)[slots] = x``
+quantizes, reading ``blocks[table]`` dequantizes. Those views serve the torch attention path;
+the Triton attention kernels read 16-bit (or fp8) tensors, so an int8 cache runs its attention
+on the torch path (see :func:`attention_backend_for`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from infer_lab.cache.paged import PagedKVCache
+from infer_lab.model.config import ModelConfig
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+
+
+def kv_storage_bytes(cfg: ModelConfig, kv_cache_dtype: str, model_dtype_bytes: int = 2) -> float:
+    """Bytes one token of one sequence costs in the cache, all layers, K and V, scales included."""
+    per_vector = _per_vector_bytes(cfg.head_dim, kv_cache_dtype, model_dtype_bytes)
+    return per_vector * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+
+
+def _per_vector_bytes(head_dim: int, kv_cache_dtype: str, model_dtype_bytes: int) -> float:
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        return head_dim * model_dtype_bytes
+    if kv_cache_dtype == "int8":
+        return head_dim + 2  # the codes and one fp16 scale
+    return head_dim
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+
+
+def quantize_kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D] -> (codes int8 [..., D], scale fp16 [...])``, ``x ≈ codes * scale``."""
+    scale = (x.float().abs().amax(dim=-1) / 127.0).clamp(min=1e-8).half()
+    codes = torch.round(x.float() / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_kv_int8(codes: torch.Tensor, scale: torch.Tensor,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (codes.float() * scale.float()[..., None]).to(dtype)
+
+
+class _Int8Slots:
+    """``Int8Blocks.view(-1, H, D)``: the slot-indexed view that the KV store writes through."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.codes, self.scales = codes, scales
+
+    def __setitem__(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        c, s = quantize_kv_int8(x)
+        self.codes[slots] = c
+        self.scales[slots] = s
+
+    def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
+        return dequantize_kv_int8(self.codes[slots], self.scales[slots])
+
+
+class Int8Blocks:
+    """One layer's K (or V) blocks in int8: ``[num_blocks, block_size, H, D]`` codes and
+    ``[num_blocks, block_size, H]`` scales, indexed like the float tensor it stands for.
+
+    ``dtype`` is the dtype reads come back in (the model's), so ``x.to(blocks.dtype)`` in the
+    store is a no-op and the quantization happens in ``__setitem__``.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        self.codes, self.scales, self.dtype = codes, scales, dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def view(self, *shape: int) -> _Int8Slots:
+        if len(shape) != 3 or tuple(shape[1:]) != tuple(self.codes.shape[2:]):
+            raise ValueError(f"an int8 KV block tensor views only as (-1, H, D), not {shape}")
+        return _Int8Slots(self.codes.view(-1, *self.codes.shape[2:]),
+                          self.scales.view(-1, self.scales.shape[-1]))
+
+    def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
+        return dequantize_kv_int8(self.codes[index], self.scales[index], self.dtype)
+
+
+class Int8PagedKVCache(PagedKVCache):
+    """A paged cache whose K and V are int8 codes with an fp16 scale per token and head."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(cfg, num_blocks, block_size, device, torch.int8)
+        shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads)
+        self.scales = torch.ones(shape, device=device, dtype=torch.float16)
+        self.kv_cache_dtype, self.compute_dtype = "int8", dtype
+        self.k_caches = [Int8Blocks(self.kv[i, 0], self.scales[i, 0], dtype)
+                         for i in range(cfg.num_hidden_layers)]
+        self.v_caches = [Int8Blocks(self.kv[i, 1], self.scales[i, 1], dtype)
+                         for i in range(cfg.num_hidden_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.scales.numel() * self.scales.element_size()
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            super().copy_blocks(pairs)
+            src, dst = (torch.tensor(x, device=self.kv.device) for x in zip(*pairs, strict=True))
+            self.scales[:, :, dst] = self.scales[:, :, src]
+
+
+def make_paged_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int = 16,
+                        device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                        kv_cache_dtype: str = "auto") -> PagedKVCache:
+    """The paged cache for ``kv_cache_dtype``: the model's dtype, int8 + scales, or fp8."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "int8":
+        return Int8PagedKVCache(cfg, num_blocks, block_size, device, dtype)
+    cache = PagedKVCache(cfg, num_blocks, block_size, device,
+                         torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else dtype)
+    cache.kv_cache_dtype = kv_cache_dtype
+    return cache
+
+
+def attention_backend_for(cache: PagedKVCache, backend: str | None) -> str | None:
+    """The attention backend a cache can take: an int8 cache's block views need the torch path."""
+    return "torch" if isinstance(cache, Int8PagedKVCache) else backend
