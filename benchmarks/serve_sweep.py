@@ -15,7 +15,8 @@ Starts ``infer-lab serve`` on a free loopback port, then drives it with ``infer-
 Writes ``results/serve_sweep.json`` (closed) or ``results/serve_poisson.json`` (open), with
 device, commit, date and the machine's load average, and the plots
 ``results/<name>_{throughput_latency,cdf,vs_load}.png`` (+ ``serve_sweep_knobs.png``), and stops
-every server it started. Each mode takes under ten minutes on two CPU cores.
+every server it started. On an idle 2-core machine each mode takes about ten minutes; on a
+shared one it takes longer (the JSON's ``wall_s`` and ``load_average`` say how it went).
 
     python -m benchmarks.serve_sweep [-n 1000] [--concurrency 1 2 4 8 16 32 64] [--no-knobs]
     python -m benchmarks.serve_sweep --mode open --rates 10 20 30 40 [-n 1000]
@@ -202,16 +203,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     where = provenance(device)  # at the start: the commit and date the numbers were taken at
-    name = "serve_sweep" if args.mode == "closed" else "serve_poisson"
+    result_name = "serve_sweep" if args.mode == "closed" else "serve_poisson"
     loads = args.concurrency if args.mode == "closed" else args.rates
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     with served() as base:
         sweep = bench(base, loads, args.num_requests, args.input_len, args.output_len,
-                      args.seed, args.slo, args.out / name, args.mode)
+                      args.seed, args.slo, args.out / result_name, args.mode)
     beyond = sweep["points"][0]["beyond_p99"]
     payload: dict[str, Any] = {
-        "benchmark": name, **where,
+        "benchmark": result_name, **where,
         "server": "infer-lab serve (bundled tiny-kjv, default settings), loopback, same machine "
                   "as the client",
         "conditions": SHARED_MACHINE_NOTE,
@@ -248,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{m['itl.p50'] * 1e3:7.1f}/{m['itl.p99'] * 1e3:<8.1f}")
     payload["load_average"]["after"] = [round(x, 2) for x in os.getloadavg()]
     payload["wall_s"] = round(time.perf_counter() - start, 1)
-    print(f"\nwrote {write_results(name, jsonable(payload), args.out)} "
+    print(f"\nwrote {write_results(result_name, jsonable(payload), args.out)} "
           f"in {payload['wall_s']:.0f} s")
 
 

@@ -198,3 +198,24 @@ def test_goodput_tokens_count_only_the_requests_that_met_the_slo():
     s = stats.summarize([R1, R2], duration=2.0, slo={"ttft": 0.2})
     assert s.goodput == pytest.approx(0.5) and s.goodput_tokens == pytest.approx(1.5)
     assert stats.summarize([R1, R2], duration=2.0).goodput_tokens is None
+
+
+@pytest.mark.parametrize(("n", "warned"), [(100, True), (300, True), (901, True), (902, False),
+                                           (1000, False)])
+def test_the_bench_warns_exactly_when_fewer_than_ten_lie_beyond_a_p99(n, warned):
+    from infer_lab.measure import bench
+
+    rng = np.random.default_rng(n)
+    results = []
+    for i in range(n):  # 3 tokens each: a TTFT, a TPOT, two ITL gaps per request
+        t = i + rng.exponential(0.1, 3).cumsum()
+        results.append(req(float(i), t.tolist()))
+    point = {"mode": "closed", "load": 4.0, **bench.intervals(results, n_boot=50)}
+    assert point["beyond_p99"]["ttft"] == stats.beyond(n, 99)
+    assert point["samples"] == {"ttft": n, "tpot": n, "itl": 2 * n, "e2el": n}
+    lines = bench.tail_warnings([point])
+    assert bool(lines) is warned
+    if warned:
+        assert f"TTFT {stats.beyond(n, 99)}" in lines[0] and "C=4" in lines[0]
+        # ITL pools two gaps per request: from 902 gaps on it has ten beyond, and is not named
+        assert ("ITL" in lines[0]) is (stats.beyond(2 * n, 99) < 10)
