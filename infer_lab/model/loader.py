@@ -40,8 +40,8 @@ class CheckpointError(ValueError):
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A local path for ``model``: the bundled model (None or ``"tiny-kjv"``), a directory, a ``.gguf`` file, a named model
-    (fetched into the cache once) or a hub id (online).
+    """A local path for ``model``: the bundled model (None or ``"tiny-kjv"``), a directory, a
+    ``.gguf`` file, a named model (fetched into the cache once) or a hub id (online).
 
     A named model with random weights requested (``INFER_LAB_SMOLLM2=random``) resolves to its
     bare name, which :func:`load` recognises; no file is touched.
