@@ -3,7 +3,7 @@
 All on the bundled model, in one run (ratios, not absolute times, are what a shared machine can
 quote):
 
-1. DESIGN.md's long-tail mix (128 requests, offline: all at t = 0), continuous vs static batching
+1. The long-tail mix (128 requests, offline: all at t = 0), continuous vs static batching
    at the same maximum batch: output tokens/s and p99 end-to-end latency, and their ratios.
 2. The same mix through ``transformers`` ``generate``, batched (``max_batch`` per call, left
    padding, its own KV cache, each batch run to its longest output): the throughput ratio.
@@ -140,7 +140,7 @@ def main() -> None:
                              hi=int(1024 * args.nano_scale))
     results["nano_vllm_offline"] = {
         "scaled": f"{args.nano_n} requests, lengths uniform in {int(100 * args.nano_scale)}-"
-                  f"{int(1024 * args.nano_scale)} (DESIGN.md: 256 requests, 100-1024)",
+                  f"{int(1024 * args.nano_scale)} (nano-vllm's own: 256 requests, 100-1024)",
         "gpu": device == "cuda",
         **run_engine(model, tok, token_prompts(nano, vocab), nano, max_num_seqs=64),
     }
