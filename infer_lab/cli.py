@@ -39,6 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, policy=args.policy,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     app = make_app(
         args.model, config=config, served_model_name=args.served_model_name,
@@ -88,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--policy", choices=["continuous", "static"], default="continuous")
     srv.add_argument("--no-prefix-caching", action="store_true")
     srv.add_argument("--no-chunked-prefill", action="store_true")
+    srv.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="split the model over N processes (torch.distributed; gloo on CPU)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (or set INFER_LAB_API_KEY)")
     srv.add_argument("--api-key-all-routes", action="store_true",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,3 +225,63 @@ def test_ctrl_c_stops_engine_and_workers(tmp_path) -> None:
         assert not _alive(worker_pid)
     finally:
         proc.kill()
+
+
+def test_serve_with_tensor_parallel_answers_and_stops_cleanly() -> None:
+    """`infer-lab serve --tensor-parallel-size 2`: same greedy text as offline; SIGTERM ends all."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    import infer_lab as il
+    from tests.live_server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer_lab.cli", "serve", "--port", str(port), "--device", "cpu",
+         "--dtype", "float32", "--tensor-parallel-size", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        children = _children(proc.pid)
+        assert children, "no worker process was started"
+        body = {"model": "tiny-kjv", "prompt": "And God said,", "max_tokens": 12,
+                "temperature": 0}
+        models = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
+        body["model"] = models[0]["id"]
+        text = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()[
+            "choices"][0]["text"]
+        offline = il.LLM(device="cpu", dtype="float32").generate(
+            ["And God said,"], il.SamplingParams(max_tokens=12, temperature=0.0),
+            use_tqdm=False)[0].text
+        assert text == offline
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(c) for c in children):
+            time.sleep(0.5)
+        assert not any(_alive(c) for c in children), "a worker outlived the server"
+    finally:
+        proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out

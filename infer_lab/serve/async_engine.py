@@ -73,6 +73,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()  # tensor-parallel workers, if any
 
     @property
     def state(self) -> str:
