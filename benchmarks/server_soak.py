@@ -11,9 +11,10 @@ hostile requests arrived (target: at most 100 ms on a 2-core CPU; not asserted a
 ``tests/test_server_soak.py`` runs :func:`soak` for ~30 s against an in-process server and
 asserts on the report; this script runs it longer against a real ``infer-lab serve`` process:
 
-    python -m benchmarks.server_soak [--duration 120] [--clients 16]
+    python -m benchmarks.server_soak [--duration 120] [--clients 16] [--no-hostile]
 
-and writes ``benchmarks/results/server_soak.json``.
+and writes ``benchmarks/results/server_soak.json`` (``server_soak_baseline.json`` without the
+hostile requests, to tell their cost from that of the load itself).
 """
 
 from __future__ import annotations
@@ -215,12 +216,13 @@ async def _half_header(port: int) -> int:
 
 
 async def soak(base: str, duration_s: float, clients: int = 12, quitters: int = 4,
-               seed: int = 0, refs: dict | None = None) -> SoakReport:
-    """Run the mix against ``base`` for ``duration_s`` seconds; every loop stops by then."""
+               seed: int = 0, refs: dict | None = None, hostile: bool = True) -> SoakReport:
+    """Run the mix against ``base`` for ``duration_s`` seconds; every loop stops by then.
+    ``hostile=False`` leaves the hostile requests out (the baseline for the stream gaps)."""
     refs = refs or references()
     rng = random.Random(seed)
     report = SoakReport(duration_s)
-    hostile_phase = [False]
+    hostile_phase = [not hostile]
     deadline = time.monotonic() + duration_s
     limits = httpx.Limits(max_connections=clients + quitters + 8)
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
@@ -228,8 +230,9 @@ async def soak(base: str, duration_s: float, clients: int = 12, quitters: int = 
                               hostile_phase) for _ in range(clients)]
         tasks += [_quitter(http, base, random.Random(rng.random()), report, deadline)
                   for _ in range(quitters)]
-        tasks.append(_hostile_client(http, base, random.Random(rng.random()), report, deadline,
-                                     hostile_phase))
+        if hostile:
+            tasks.append(_hostile_client(http, base, random.Random(rng.random()), report,
+                                         deadline, hostile_phase))
         await asyncio.wait_for(asyncio.gather(*tasks), duration_s + 180)
     return report
 
@@ -248,6 +251,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-waiting-requests", type=int, default=8)
+    parser.add_argument("--no-hostile", action="store_true",
+                        help="leave the hostile requests out (a baseline for the stream gaps)")
     args = parser.parse_args()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -261,15 +266,18 @@ def main() -> None:
         server = psutil.Process(proc.pid)
         asyncio.run(soak(base, 10, args.clients, refs=refs))  # warm-up: allocator, caches
         rss0 = server.memory_info().rss
-        report = asyncio.run(soak(base, args.duration, args.clients, refs=refs))
+        report = asyncio.run(soak(base, args.duration, args.clients, refs=refs,
+                                  hostile=not args.no_hostile))
         rss1 = server.memory_info().rss
         assert wait_for(lambda: metric(base, "kv_cache_blocks_used") == 0, 30)
         result = {**report.summary(), "rss_growth_mb": round((rss1 - rss0) / 2**20, 1),
                   "kv_blocks_used_after": metric(base, "kv_cache_blocks_used"),
                   "clients": args.clients, "max_waiting_requests": args.max_waiting_requests,
+                  "with_hostile_requests": not args.no_hostile,
                   "target_worst_gap_ms": 100}
         print(json.dumps(result, indent=2))
-        write_results("server_soak", {**provenance("cpu"), **result})
+        name = "server_soak_baseline" if args.no_hostile else "server_soak"
+        write_results(name, {**provenance("cpu"), **result})
     finally:
         proc.terminate()
         proc.wait(timeout=60)
