@@ -203,3 +203,45 @@ def test_generate_accepts_one_prompt_and_checks_params_length(model_tok):
     with pytest.raises(ValueError, match="sampling params"):
         llm.generate(["a", "b"], [il.SamplingParams()], use_tqdm=False)
     assert_no_leak(llm.engine)
+
+
+def test_one_config_is_built_resolved_and_read_by_every_part(model_tok):
+    model, tok = model_tok
+    engine = LLMEngine(model, tok, il.EngineConfig(max_num_seqs=4, block_size=8),
+                       num_kv_blocks=40)
+    cfg = engine.config
+    assert (cfg.max_num_seqs, cfg.block_size, cfg.num_kv_blocks) == (4, 8, 40)
+    assert cfg.max_model_len == model.config.max_position_embeddings  # resolved
+    assert all(part.config is cfg for part in (engine.scheduler, engine.kv, engine.runner))
+    assert engine.kv.pool.num_blocks == 40 and engine.runner.cache.num_blocks == 41  # + scratch
+    assert engine.runner.block_table.shape == (5, cfg.max_model_len // 8)
+    assert il.engine.StaticScheduler is type(LLMEngine(model, tok, policy="static").scheduler)
+    assert LLMEngine(model, tok, max_model_len=10**6).config.max_model_len == cfg.max_model_len
+    llm = il.LLM(model, tokenizer=tok, config=il.EngineConfig(max_num_seqs=3), block_size=4)
+    assert (llm.engine.config.max_num_seqs, llm.engine.config.block_size) == (3, 4)
+    with pytest.raises(TypeError, match="unknown engine option"):
+        LLMEngine(model, tok, max_num_seq=4)
+    with pytest.raises(TypeError, match="EngineConfig"):
+        LLMEngine(model, tok, {"max_num_seqs": 4})
+
+
+def test_parallel_samples_equal_their_solo_runs_through_copy_on_write(model_tok):
+    """n samples share the prompt's blocks and copy the partial last block on their first write;
+    each must then read back only its own K/V, so sample k equals a solo run with its seed."""
+    from infer_lab.engine.engine import sample_seed
+
+    prompt = varied_prompts(1, seed=9)[0][0] * 3  # 15 tokens: the last block of 4 is partial
+
+    def params(n: int, seed: int) -> il.SamplingParams:
+        return il.SamplingParams(n=n, max_tokens=12, temperature=1.5, seed=seed,
+                                 ignore_eos=True)
+
+    engine = engine_for(model_tok, block_size=4, num_kv_blocks=24)
+    engine.add_request("r", prompt, params(3, 7))
+    together = [c.token_ids for c in drain(engine)["r"].outputs]
+    assert len(set(map(tuple, together))) == 3  # they diverge, so a shared write would show
+    assert_no_leak(engine)
+    for k in range(3):
+        solo = engine_for(model_tok, block_size=4, num_kv_blocks=24)
+        solo.add_request("s", prompt, params(1, sample_seed(7, k)))
+        assert drain(solo)["s"].token_ids == together[k]
