@@ -72,8 +72,8 @@ def test_kept_blocks_give_the_dequantized_logits(qtype, tie, tok_dir, tmp_path):
             if isinstance(mod, QuantizedLinear):
                 mod.impl = None
         fast = kept(x)
-        # Q4 blocks run the fp32 int4 kernel (exact); Q8_0 the int8 kernel on bf16 activations
+        # the CPU kernels round activations to bf16 (about 0.4 % per value)
         rel = ((fast - ref).pow(2).mean().sqrt() / ref.std()).item()
-        assert rel <= (1e-4 if qtype != "Q8_0" else 0.03), rel
+        assert rel <= 0.03, rel
     with pytest.raises(QuantizationError, match="already quantized"):
         keep_gguf_blocks(kept, path)

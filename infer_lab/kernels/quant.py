@@ -8,17 +8,17 @@
 - Triton (CUDA, or forced with ``backend="triton"``, interpreted on CPU): kernels that dequantize
   *inside* the matmul (:mod:`infer_lab.kernels.triton_quant`), a GEMV when there are few rows
   (decode) and a tiled GEMM otherwise (prefill).
-- torch on CPU: the fastest correct kernel torch offers, chosen by measurement
-  (``benchmarks/results/quantization_kernels.json``): ``aten._weight_int8pack_mm`` fed *bf16*
-  activations (its fp32-activation path was 6-25x slower than its bf16 one here) and
-  ``aten._weight_int4pack_mm_for_cpu`` with fp32 activations (exact to fp32 rounding). Rounding
-  the activations to bf16 costs about 3 significant digits, the same as running the model in
-  bf16; ``INT8_CPU_ACTIVATION`` names that choice so a test or the chapter can change it.
+- torch on CPU: the fastest correct kernels torch offers, ``aten._weight_int8pack_mm`` and
+  ``aten._weight_int4pack_mm_for_cpu``, both fed *bf16* activations. That choice is measured
+  (``benchmarks/results/quantization_kernels.json``): on this machine their fp32 (and fp16)
+  activation paths ran 5-50x slower than the bf16 ones, slower than a plain fp32 matmul, while
+  with bf16 activations they beat it at batch 1. Rounding the activations to bf16 costs about
+  3 significant digits, as running the model in bf16 does; ``CPU_ACTIVATION`` names the choice
+  so a test or the chapter can change it (None: use ``x``'s own dtype).
 - GGUF's Q8_0 (``int8g``, int8 with a scale per group of 32) on CPU: the int8 kernel once per
   group, partial sums added in fp32.
-- anything else (int4 with half-precision activations, an output size
-  that is not a multiple of 16 or a group size other than 32-256, which the CPU kernel refuses):
-  the reference.
+- anything else (int4 with an output size that is not a multiple of 16 or a group size other
+  than 32-256, which the CPU kernel refuses): the reference.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from infer_lab.kernels.dispatch import resolve_backend, triton_module
 
 IMPLS = (None, "reference", "fast")
-INT8_CPU_ACTIVATION: torch.dtype | None = torch.bfloat16  # None: feed x's own dtype
+CPU_ACTIVATION: torch.dtype | None = torch.bfloat16  # None: feed x's own dtype
 TRITON_GEMV_MAX_ROWS = 16  # at most this many rows of x: the GEMV kernel (decode)
 
 
@@ -56,8 +56,8 @@ def quant_linear(x: torch.Tensor, layer: Any, *, backend: str | None = None,
         y = int8_linear_cpu(x2, layer.qweight, layer.scale)
     elif x.device.type == "cpu" and layer.fmt == "int8g":
         y = int8g_linear_cpu(x2, layer)
-    elif x.device.type == "cpu" and layer.fmt == "int4" and x.dtype == torch.float32 \
-            and layer.out_features % 16 == 0 and layer.group_size in (32, 64, 128, 256):
+    elif x.device.type == "cpu" and layer.fmt == "int4" and layer.out_features % 16 == 0 \
+            and layer.group_size in (32, 64, 128, 256):
         y = int4_linear_cpu(x2, layer)
     else:
         return quant_linear_ref(x, layer)
@@ -81,7 +81,7 @@ def quant_linear_ref(x: torch.Tensor, layer: Any) -> torch.Tensor:
 def int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     act_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``aten._weight_int8pack_mm`` with activations (and the scale) in ``act_dtype``."""
-    act = act_dtype or INT8_CPU_ACTIVATION or x.dtype
+    act = act_dtype or CPU_ACTIVATION or x.dtype
     y = torch.ops.aten._weight_int8pack_mm(x.to(act).contiguous(), qweight, scale.to(act))
     return y.to(x.dtype)
 
@@ -96,7 +96,7 @@ def int8g_linear_cpu(x: torch.Tensor, layer: Any) -> torch.Tensor:
     """GGUF Q8_0 (int8 codes, one scale per row and group of 32) with the int8 CPU kernel, one
     call per group: ``y = sum_g int8mm(x_g, q_g, s_g)``. Each call reads its group's codes once,
     so the whole weight is read once, as in one call; the partial sums add up in fp32."""
-    act = INT8_CPU_ACTIVATION or x.dtype
+    act = CPU_ACTIVATION or x.dtype
     scales = getattr(layer, "_cpu_int8g_scale", None)
     if scales is None or scales.dtype != act:
         scales = layer.scale.t().to(act).contiguous()  # [G, N]
@@ -110,26 +110,32 @@ def int8g_linear_cpu(x: torch.Tensor, layer: Any) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def int4_cpu_pack(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_cpu_pack(layer: Any, act: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU int4 kernel's own layout of ``layer``'s weight, built once and cached on it.
 
     ``_weight_int4pack_mm_for_cpu`` wants its nibbles interleaved its own way and computes
-    ``(q - 8) * scale + zero`` per group, so our minimum becomes ``zero = minimum + 8 * scale``.
-    The repacked copy is as large as the weight; it lives only on CPU.
+    ``(q - 8) * scale + zero`` per group, so our minimum becomes ``zero = minimum + 8 * scale``
+    (in the activations' dtype ``act``, as the kernel requires). The repacked copy is as large
+    as the weight; it lives only on CPU.
     """
     cached = getattr(layer, "_cpu_int4", None)
-    if cached is None:
+    if cached is None or cached[1].dtype != act:
         codes = unpack_int4(layer.qweight).to(torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         scale = layer.scale.float()
         zero = layer.minimum.float() + 8.0 * scale
-        sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [K/g, N, 2]
+        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(act).contiguous()  # [K/g, N, 2]
         cached = (packed, sz)
         layer._cpu_int4 = cached
     return cached
 
 
-def int4_linear_cpu(x: torch.Tensor, layer: Any) -> torch.Tensor:
-    packed, sz = int4_cpu_pack(layer)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, layer.group_size,
-                                                      sz)
+def int4_linear_cpu(x: torch.Tensor, layer: Any, act_dtype: torch.dtype | None = None
+                    ) -> torch.Tensor:
+    """``aten._weight_int4pack_mm_for_cpu`` with activations (and scales) in ``act_dtype``."""
+    act = act_dtype or CPU_ACTIVATION or x.dtype
+    packed, sz = int4_cpu_pack(layer, act)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(act).contiguous(), packed,
+                                                   layer.group_size, sz)
+    return y.to(x.dtype)

@@ -115,3 +115,26 @@ def greedy_agreement(reference: LogitsFn, candidate: LogitsFn,
         divergence.append(next((i for i, (a, b) in enumerate(zip(free, ref, strict=True))
                                 if a != b), n))
     return Agreement(same / total, divergence, total)
+
+
+# A stated text for the quality figures of Chapter 8 and benchmarks/quantization.py: the 23rd
+# Psalm and Ecclesiastes 3:1-8 in the King James Version (public domain). The bundled model was
+# trained on the KJV with 2 % of chapters held out, so these may have been seen in training: the
+# figure compares formats with each other, it does not claim generalisation.
+KJV_PASSAGE = (
+    "The LORD is my shepherd; I shall not want. He maketh me to lie down in green pastures: he "
+    "leadeth me beside the still waters. He restoreth my soul: he leadeth me in the paths of "
+    "righteousness for his name's sake. Yea, though I walk through the valley of the shadow of "
+    "death, I will fear no evil: for thou art with me; thy rod and thy staff they comfort me. "
+    "Thou preparest a table before me in the presence of mine enemies: thou anointest my head "
+    "with oil; my cup runneth over. Surely goodness and mercy shall follow me all the days of my "
+    "life: and I will dwell in the house of the LORD for ever. To every thing there is a season, "
+    "and a time to every purpose under the heaven: A time to be born, and a time to die; a time "
+    "to plant, and a time to pluck up that which is planted; A time to kill, and a time to heal; "
+    "a time to break down, and a time to build up; A time to weep, and a time to laugh; a time to "
+    "mourn, and a time to dance; A time to cast away stones, and a time to gather stones "
+    "together; a time to embrace, and a time to refrain from embracing; A time to get, and a time "
+    "to lose; a time to keep, and a time to cast away; A time to rend, and a time to sew; a time "
+    "to keep silence, and a time to speak; A time to love, and a time to hate; a time of war, and "
+    "a time of peace."
+)
