@@ -28,6 +28,7 @@ from infer_lab.measure.capacity import (
 )
 from infer_lab.measure.flops import arithmetic_intensity, attended_pairs
 from infer_lab.measure.hardware import GPUS
+from infer_lab.measure.stats import beyond
 from infer_lab.measure.workloads import arrival_times
 from infer_lab.model.random import llama_config, random_model
 
@@ -234,3 +235,54 @@ def test_roofline_knows_what_does_not_fit():
     assert h100.fits and h100.tokens_per_s > 1000
     with pytest.raises(ValueError):
         roofline_rate(llama3_8b, GPUS["H100-SXM"], 0, 16, 0.05)
+
+
+# --- Chapter 7's exercise checks fail on a wrong answer and pass on the worked solution ----------
+
+
+def chapter7_checks() -> dict:
+    """Run the chapter's cell that defines ``check_1`` ... ``check_6`` and return its namespace."""
+    import math
+    import re
+    from pathlib import Path
+
+    from infer_lab.measure import stats
+    from infer_lab.measure.loadgen import RequestResult
+
+    text = (Path(__file__).parents[1] / "chapters" / "07_measurement.md").read_text()
+    cells = re.findall(r"```\{code-cell\} ipython3\n(.*?)```", text, flags=re.S)
+    (source,) = [c for c in cells if "def check_1(" in c]
+    ns = {"math": math, "stats": stats, "RequestResult": RequestResult, "capacity": capacity}
+    exec(source, ns)  # noqa: S102 - the chapter's own code, read from the repository
+    return ns
+
+
+def committed_sweep() -> dict:
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "results" / "serve_sweep.json"
+    return json.loads(path.read_text())["sweep"]
+
+
+def test_chapter7_checks_reject_wrong_answers_and_accept_the_solutions(capsys):
+    ns = chapter7_checks()
+    sweep = committed_sweep()
+    p16 = next(p for p in sweep["points"] if p["load"] == 16)
+    little = 16 / p16["metrics"]["request_throughput"]
+    strict = capacity(sweep["points"], {"ttft": 0.250, "tpot": 0.100}, 100).replicas or 0
+    n_999 = next(n for n in range(9000, 11000) if beyond(n, 99.9) >= 10)
+    cases = [
+        ("check_1", (0.075,), (0.70 / 5,)),  # E2EL / tokens is not TPOT
+        ("check_2", ("inter_token_latency_ms",), ("time_per_output_token_ms",)),
+        ("check_3", (little, sweep), (little * 1.5, sweep)),
+        ("check_4", (strict, sweep), (strict + 1, sweep)),
+        ("check_5", (n_999,), (n_999 + 1,)),  # enough, but not the least
+        ("check_6", (2.50 / 7.2,), (2.50 / 2000,)),
+    ]
+    for name, right, wrong in cases:
+        ns[name](*right)
+        with pytest.raises(AssertionError):
+            ns[name](*wrong)
+    ns["check_1"](None)  # not answered: a reminder, not a failure
+    assert "not answered yet" in capsys.readouterr().out
