@@ -12,7 +12,8 @@ export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: help install models test lint unit pairing notebooks book-check book generate serve clean
+.PHONY: help install models test lint unit pairing notebooks book-check book generate serve clean \
+	gpu-compile colab-check notebooks-bf16 sync-notebooks
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PROMPT ?= And God said,
@@ -47,12 +48,16 @@ models: $(STAMP)
 unit: $(STAMP) models
 	$(BIN)/python -m pytest -n 2 --durations=15 tests/
 
-# The .md files are the source; their paired .ipynb must be what jupytext makes of them.
+# The .md files are the source; their paired .ipynb must be what scripts/sync_notebooks.py makes
+# of them (jupytext, then MyST rewritten as plain Markdown for Colab, setup cell generated).
+sync-notebooks: $(STAMP)
+	$(BIN)/python scripts/sync_notebooks.py
+
 pairing: $(STAMP)
 	@if [ -n "$(CHAPTERS)" ]; then \
-	  $(BIN)/jupytext -q --to ipynb --update $(CHAPTERS) && \
+	  $(BIN)/python scripts/sync_notebooks.py $(CHAPTERS) >/dev/null && \
 	  drift="$$(git status --porcelain -- chapters/)" && \
-	  if [ -n "$$drift" ]; then echo "chapters out of sync with their .md (run jupytext):"; \
+	  if [ -n "$$drift" ]; then echo "chapters out of sync with their .md (make sync-notebooks):"; \
 	    echo "$$drift"; git --no-pager diff --stat -- chapters/; exit 1; fi; \
 	  echo "pairing: $(words $(CHAPTERS)) chapter(s) in sync"; \
 	else echo "pairing: no chapters yet"; fi
@@ -73,6 +78,34 @@ book-check: $(STAMP)
 book: $(STAMP)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 	@echo "open _build/html/index.html"
+
+# Compile every Triton kernel for sm_75, sm_80 and sm_90a without a GPU, with the Triton CI
+# installs and with TRITON_GPU_SPEC (the GPU machine's Triton) in a venv of its own that borrows
+# this venv's packages for everything else. Fails on compile errors, shared memory over the
+# target's limit, register spills (scripts/gpu_compile.py).
+TRITON_GPU_SPEC ?= triton==3.6.*
+GPU_VENV := build/triton-gpu
+gpu-compile: $(STAMP)
+	env -u TRITON_INTERPRET $(BIN)/python scripts/gpu_compile.py
+	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	@$(GPU_VENV)/bin/python -m pip install -q "$(TRITON_GPU_SPEC)"
+	@$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > \
+	  "$$($(GPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infer_lab_main.pth"
+	env -u TRITON_INTERPRET $(GPU_VENV)/bin/python scripts/gpu_compile.py
+
+# Each chapter's .ipynb run top to bottom as Colab runs it: a fresh venv with only what Colab
+# has before the first cell, a google.colab stand-in, the setup cell installing infer_lab from
+# a clone of this repository's HEAD (INFER_LAB_REPO). COLAB_CHAPTERS= picks chapters (stems).
+COLAB_CHAPTERS ?= $(basename $(notdir $(CHAPTERS)))
+colab-check:
+	$(PYTHON) scripts/colab_check.py --torch "$(TORCH_SPEC)" $(COLAB_CHAPTERS)
+
+# nbval again with bf16 as the default dtype, on the chapters whose checks depend on it.
+BF16_CHAPTERS ?= chapters/02_kv_cache.ipynb chapters/03_paged_kv_cache.ipynb \
+	chapters/04_gpu_kernels.ipynb chapters/05_continuous_batching.ipynb
+notebooks-bf16: $(STAMP)
+	INFER_LAB_DTYPE=bfloat16 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(BIN)/python -m pytest -p nbval \
+	  --nbval-lax --durations=0 -o addopts= $(BF16_CHAPTERS)
 
 test: $(STAMP)
 	@for step in lint unit pairing notebooks book-check; do \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared command for a lent GPU machine (DESIGN.md: an H200 with Python 3.12, torch 2.11,
+# One prepared command for a lent GPU machine (the lent one: an H200 with Python 3.12, torch 2.11,
 # triton 3.6, pytest and transformers, but no Jupyter, nbval or jupytext). From the repo root:
 #
 #     bash benchmarks/device_check.sh

@@ -1,8 +1,17 @@
-"""Device and dtype defaults, chosen once so every chapter runs unchanged on CPU and GPU."""
+"""Device and dtype defaults, chosen once so every chapter runs unchanged on CPU and GPU.
+
+``INFER_LAB_DTYPE`` (``float32``, ``bfloat16``, ``float16`` or their short names) overrides the
+default dtype everywhere (``il.load``, ``il.LLM``, random models): CI runs the chapters in bf16 on
+CPU with it, to meet on CPU the numbers a GPU reader will see.
+"""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+DTYPE_ENV = "INFER_LAB_DTYPE"
 
 
 def default_device() -> torch.device:
@@ -11,8 +20,15 @@ def default_device() -> torch.device:
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    """fp32 on CPU (exact comparisons), bf16 on Ampere or newer, fp16 on older GPUs (T4)."""
+    """``INFER_LAB_DTYPE`` if set; else fp32 on CPU (exact comparisons), bf16 on Ampere or newer,
+    fp16 on older GPUs (a T4 has no bf16 tensor cores, and Triton no bf16 ``tl.dot`` there)."""
     device = torch.device(device)
+    forced = os.environ.get(DTYPE_ENV, "").strip()
+    if forced and forced.lower() != "auto":
+        try:
+            return _parse_dtype(forced)
+        except ValueError as e:
+            raise ValueError(f"{DTYPE_ENV}={forced!r}: {e}") from None
     if device.type != "cuda":
         return torch.float32
     major, _ = torch.cuda.get_device_capability(device)
@@ -25,6 +41,10 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
+    return _parse_dtype(dtype)
+
+
+def _parse_dtype(dtype: object) -> torch.dtype:
     names = {
         "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
         "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,

@@ -36,13 +36,15 @@ class _Formatted:
 def glue(name: str, value: Any, fmt: str | None = None) -> Any:
     """Hand a computed value to the book's prose (myst-nb ``glue``) and return it.
 
-    Outside a book build (Colab, a plain Jupyter) myst-nb may be missing: then the value is only
-    returned, and the prose that quotes it shows the cell's printed output instead.
+    Outside a book build (Colab, a plain Jupyter: no myst-nb) it prints ``name = value``: the
+    notebook's prose names the value (``scripts/sync_notebooks.py`` writes ```name``` where the
+    book shows the number), and the number is right there under the cell.
     """
     shown = _Formatted(format(value, fmt)) if fmt else value
     try:
         from myst_nb import glue as _glue
     except ImportError:
+        print(f"{name} = {shown!r}" if not fmt else f"{name} = {shown}")
         return value
     _glue(name, shown, display=False)
     return value

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import re
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,3 +67,114 @@ def test_notebooks_are_committed_without_outputs():
         for cell in nb["cells"]:
             if cell["cell_type"] == "code":
                 assert not cell["outputs"] and cell["execution_count"] is None, md.stem
+
+
+# ----------------------------------------------------------------------------- what Colab sees
+MYST_ROLE = re.compile(r"\{[a-z][a-z:-]*\}`")
+MYST_FENCE = re.compile(r"^\s*(`{3,}|:{3,})\{[a-z-]+\}", re.MULTILINE)
+MYST_TARGET = re.compile(r"^\([A-Za-z0-9_.:-]+\)=\s*$", re.MULTILINE)
+NOTEBOOKS = [md.with_suffix(".ipynb") for md in CHAPTERS]
+
+
+def _cells(ipynb: Path, kind: str) -> list[str]:
+    import json
+
+    nb = json.loads(ipynb.read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == kind]
+
+
+@pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebooks_read_as_plain_markdown(ipynb):
+    """Colab does not render MyST: no role, directive or target may reach a committed .ipynb
+    (``python scripts/sync_notebooks.py`` converts them; the .md keeps them for the book)."""
+    found = []
+    for source in _cells(ipynb, "markdown"):
+        for pattern in (MYST_ROLE, MYST_FENCE, MYST_TARGET):
+            found += [m.group(0) for m in pattern.finditer(source)]
+    assert not found, f"{ipynb.name}: MyST left in markdown cells: {sorted(set(found))[:8]}"
+
+
+@pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_setup_cell_is_generated_from_the_configured_url(ipynb):
+    setup = [s for s in _cells(ipynb, "code") if '"google.colab" in sys.modules' in s]
+    assert setup, f"{ipynb.name}: no Colab setup cell"
+    assert f'REPO = "git+{REPO}"' in setup[0], f"{ipynb.name}: setup cell not from _config.yml"
+    assert "INFER_LAB_REPO" in setup[0] and "SystemExit" in setup[0], ipynb.name
+
+
+def test_sync_converts_myst_to_plain_markdown():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sync_notebooks as sn
+
+    bib = {"kwon2023vllm": {"authors": ["Kwon, Woosuk", "Li, Zhuohan", "Zhuang, Siyuan"],
+                            "year": "2023", "title": "PagedAttention"},
+           "shazeer2019mqa": {"authors": ["Shazeer, Noam"], "year": "2019", "title": "MQA"}}
+    cites = sn.Citations(bib, "ch9-")
+    md = ("(sec-x)=\n## Title\n\nAs {cite:p}`ch9-kwon2023vllm` showed, {cite:t}`shazeer2019mqa`"
+          " argued; it took {glue:text}`ch9_ms` ms ({numref}`fig-x`).\n\n"
+          "```{admonition} Try it\nChange `n`.\n```\n\n:::{note}\nA note.\n:::")
+    out = sn.plain_markdown(md, cites)
+    assert "(Kwon et al., 2023)" in out and "Shazeer (2019)" in out
+    assert "`ch9_ms` ms" in out and "(sec-x)=" not in out
+    assert "> **Try it**" in out and "> Change `n`." in out and "> **Note**" in out
+    assert not MYST_ROLE.search(out) and not MYST_FENCE.search(out)
+    assert sn.plain_markdown(out, cites) == out  # nothing left to convert: idempotent
+    assert cites.bibliography().splitlines() == ["- Woosuk Kwon, Zhuohan Li, Siyuan Zhuang "
+                                                 "(2023). PagedAttention.", "- Noam Shazeer "
+                                                 "(2019). MQA."]
+    assert sn.repository_url() == REPO
+
+
+def test_setup_cell_keeps_extras_and_packages():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sync_notebooks as sn
+
+    src = ('if "google.colab" in sys.modules:\n    subprocess.run([sys.executable, "-m", "pip",'
+           ' "install", "-q", f"infer_lab[serve] @ git+{REPO}", "openai"], check=True)')
+    cell = sn.setup_cell(src, "https://example.org/me/infer_lab")
+    assert 'REPO = "git+https://example.org/me/infer_lab"' in cell
+    assert 'f"infer_lab[serve] @ {spec}"' in cell and '"openai"]' in cell
+    compile(cell, "setup", "exec")  # valid Python
+
+
+# ----------------------------------------------------------------------------- code cells
+COLUMN = 88  # characters of code the rendered page shows without scrolling
+QUIET_CALLS = {"print", "display", "show", "savefig", "tight_layout", "legend", "close"}
+
+
+def _stray_value(source: str) -> str | None:
+    """The last statement of a cell, if it is an expression whose value Jupyter would print
+    under the cell without the author meaning it (a bare name or ``;`` is meant)."""
+    lines = source.splitlines()
+    code = "\n".join(line for line in lines if not line.lstrip().startswith(("%", "!")))
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return None
+    last = tree.body[-1]
+    if code.rstrip().endswith(";") or isinstance(last.value, (ast.Name, ast.Constant)):
+        return None
+    func = last.value.func if isinstance(last.value, ast.Call) else None
+    name = getattr(func, "attr", None) or getattr(func, "id", None)
+    if name in QUIET_CALLS:
+        return None
+    return ast.get_source_segment(code, last) or "?"
+
+
+@pytest.mark.parametrize("md", CHAPTERS, ids=lambda p: p.stem)
+def test_code_fits_the_column_and_no_cell_ends_in_a_stray_value(md):
+    import jupytext
+
+    nb = jupytext.read(md)
+    long, stray = [], []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or '"google.colab" in sys.modules' in cell.source:
+            continue
+        long += [f"cell {i}: {line}" for line in cell.source.splitlines() if len(line) > COLUMN]
+        value = _stray_value(cell.source)
+        if value:
+            stray.append(f"cell {i}: {value.splitlines()[0]}")
+    assert not long, f"{md.name}: code lines over {COLUMN} characters:\n" + "\n".join(long)
+    assert not stray, f"{md.name}: cells that end in a value:\n" + "\n".join(stray)

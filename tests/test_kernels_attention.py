@@ -111,7 +111,7 @@ def test_prefill_sliding_window_odd_pages():
 
 
 def test_bf16_upcasts_in_the_interpreter():
-    """bf16 ``tl.dot`` is wrong in the interpreter (DESIGN.md); the kernels upcast there."""
+    """bf16 ``tl.dot`` is wrong in the interpreter (measured); the kernels upcast there."""
     seed = fresh_seed()
     dtype = torch.bfloat16
     q, kc, vc, batch = paged_problem(PREFILL_CHUNKS[:4], 8, 2, 16, dtype, seed)
@@ -132,6 +132,60 @@ def test_dispatch_picks_decode_or_prefill():
     out = kernels.paged_attention_triton(q, kc, vc, batch.block_tables, batch.context_lens,
                                          batch.cu_seqlens_q)
     assert_close(out, reference64(q, kc, vc, batch), torch.float32, seed, "mixed batch")
+
+
+def test_mixed_step_sends_one_token_chunks_to_the_decode_kernel():
+    """A chunked-prefill step: decode computes exactly the one-token chunks' rows (K/V read once
+    per KV-head group), prefill exactly the others; together they are the reference."""
+    seed = fresh_seed()
+    mixed = [(9, 1), (30, 12), (17, 1), (5, 5)]
+    q, kc, vc, batch = paged_problem(mixed, 8, 2, 16, torch.float32, seed)
+    ref = reference64(q, kc, vc, batch)
+    one = torch.tensor([0, 13], dtype=torch.long)  # the rows of the (9, 1) and (17, 1) chunks
+    rest = torch.tensor([i for i in range(len(q)) if i not in one.tolist()])
+    mod = triton_attn()
+    sentinel = torch.full_like(q, 7.0)
+    out = mod.paged_decode_attention_triton(q, kc, vc, batch.block_tables, batch.context_lens,
+                                            cu_seqlens_q=batch.cu_seqlens_q, out=sentinel.clone())
+    assert_close(out[one], ref[one], torch.float32, seed, "decode rows of a mixed step")
+    assert (out[rest] == 7.0).all(), "the decode kernel wrote rows of a longer chunk"
+    out = mod.paged_prefill_attention_triton(q, kc, vc, batch.block_tables, batch.context_lens,
+                                             batch.cu_seqlens_q, min_query_len=2,
+                                             out=sentinel.clone(), max_query_len=12)
+    assert_close(out[rest], ref[rest], torch.float32, seed, "prefill rows of a mixed step")
+    assert (out[one] == 7.0).all(), "the prefill kernel wrote a one-token chunk's rows"
+    both = kernels.paged_attention_triton(q, kc, vc, batch.block_tables, batch.context_lens,
+                                          batch.cu_seqlens_q, max_query_len=12)
+    assert_close(both, ref, torch.float32, seed, "mixed step")
+
+
+def test_index_tensors_need_not_be_contiguous():
+    """Block tables sliced out of a wider array (a persistent table, a column view) work."""
+    seed = fresh_seed()
+    q, kc, vc, batch = paged_problem([(20, 1), (33, 1), (7, 1)], 8, 2, 16, torch.float32, seed)
+    wide = torch.zeros(batch.block_tables.shape[0], 2 * batch.block_tables.shape[1],
+                       dtype=batch.block_tables.dtype)
+    wide[:, ::2] = batch.block_tables
+    tables = wide[:, ::2]  # same values, stride 2 along a row
+    lens = torch.stack([batch.context_lens, batch.context_lens], 1)[:, 0]  # stride 2
+    assert not tables.is_contiguous() and not lens.is_contiguous()
+    out = kernels.paged_attention_triton(q, kc, vc, tables, lens, batch.cu_seqlens_q)
+    assert_close(out, reference64(q, kc, vc, batch), torch.float32, seed, "strided index tensors")
+    with pytest.raises(TypeError, match="int32 or int64"):
+        kernels.paged_attention_triton(q, kc, vc, tables.float(), lens, batch.cu_seqlens_q)
+
+
+def test_large_query_groups_go_through_the_prefill_kernel():
+    """More than MAX_DECODE_GROUP query heads per KV head (multi-query models): still right."""
+    seed = fresh_seed()
+    hq = 2 * triton_attn().MAX_DECODE_GROUP
+    q, kc, vc, batch = paged_problem([(12, 1), (5, 1)], hq, 1, 16, torch.float32, seed)
+    out = kernels.paged_attention_triton(q, kc, vc, batch.block_tables, batch.context_lens,
+                                         batch.cu_seqlens_q)
+    assert_close(out, reference64(q, kc, vc, batch), torch.float32, seed, "group of 32")
+    with pytest.raises(ValueError, match="at most"):
+        triton_attn().paged_decode_attention_triton(q, kc, vc, batch.block_tables,
+                                                    batch.context_lens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

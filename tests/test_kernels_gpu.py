@@ -105,7 +105,7 @@ def test_auto_backend_is_triton_on_cuda():
 
 
 def test_greedy_generation_on_gpu_triton_equals_torch(tmp_path):
-    """fp32 on the GPU, so that exact token equality is a fair demand (DESIGN.md)."""
+    """fp32 on the GPU, so that exact token equality is a fair demand."""
     import infer_lab as il
     from infer_lab.cache import generate_paged
     from tests.helpers import assert_greedy_equal, make_checkpoint

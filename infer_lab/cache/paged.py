@@ -145,8 +145,9 @@ class PagedAttentionContext:
         backend = kernels.resolve_backend(self.backend, q)
         kernels.store_kv(k, v, kc, vc, b.slot_mapping, backend=backend)
         if backend == "triton":
-            return kernels.paged_attention_triton(q, kc, vc, b.block_tables, b.context_lens,
-                                                  b.cu_seqlens_q, window=window)
+            return kernels.paged_attention_triton(
+                q, kc, vc, b.block_tables, b.context_lens, b.cu_seqlens_q, window=window,
+                max_query_len=getattr(b, "max_query_len", None))  # a host int: no sync
         return self._attend_torch(q, kc, vc, window)
 
     def _step_layout(self) -> tuple[torch.Tensor, ...]:

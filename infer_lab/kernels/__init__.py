@@ -88,15 +88,18 @@ def paged_attention_triton(
     cu_seqlens_q: torch.Tensor,
     scale: float | None = None,
     window: int | None = None,
+    *,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Triton paged attention with ``paged_attention_ref``'s contract (decode or prefill kernel).
+    ``max_query_len``, the longest chunk as a host int, spares a device-to-host sync.
 
     Its torch reference lives with the cache (``infer_lab.cache.paged_attention_ref``), which
     chooses between the two (the cache imports the kernels, never the other way round).
     """
     mod = triton_module("triton_attention")
     return mod.paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
-                                      cu_seqlens_q, scale, window)
+                                      cu_seqlens_q, scale, window, max_query_len=max_query_len)
 
 
 __all__ = [

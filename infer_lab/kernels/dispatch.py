@@ -1,6 +1,8 @@
 """Which implementation of a kernel runs: Triton or the torch reference.
 
-The rule (DESIGN.md): Triton on CUDA, the reference elsewhere. Both can be forced, globally with
+The rule: Triton on CUDA, the reference elsewhere; and only what compiles on the GPU at hand
+(:func:`triton_compiles`: no bf16 below compute capability 8.0, where Triton has no bf16
+``tl.dot``; there the model runs in fp16 by default anyway). Both can be forced, globally with
 :func:`set_backend` / :func:`use_backend` or the ``INFER_LAB_KERNELS`` environment variable, or per
 call with ``backend=``, so that tests and Chapter 4 can run the two side by side.
 
@@ -109,15 +111,40 @@ def triton_module(name: str) -> ModuleType:
     return importlib.import_module(f"infer_lab.kernels.{name}")
 
 
+def triton_compiles(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    """Do this package's Triton kernels compile for ``dtype`` on a GPU of ``capability``?
+
+    bf16 needs sm_80 (Ampere): below it Triton has no bf16 ``tl.dot``. ``make gpu-compile``
+    compiles exactly the combinations this allows.
+    """
+    return dtype != torch.bfloat16 or capability >= (8, 0)
+
+
+@cache
+def gpu_capability(device_index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``device_index``, asked once."""
+    return tuple(torch.cuda.get_device_capability(device_index))  # type: ignore[return-value]
+
+
+def _capability_of(x: torch.Tensor) -> tuple[int, int]:
+    index = x.device.index
+    return gpu_capability(torch.cuda.current_device() if index is None else index)
+
+
 def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
     """``"triton"`` or ``"torch"`` for a call on tensor ``x`` (``backend`` None: the setting)."""
     name = (backend or _backend).lower()
     if name == "auto":
-        return "triton" if x.is_cuda and triton_available() else "torch"
+        if not (x.is_cuda and triton_available()):
+            return "torch"
+        return "triton" if triton_compiles(x.dtype, _capability_of(x)) else "torch"
     if name == "triton":
         if x.is_cuda == interpreting():
             how = "are interpreted (no CUDA device)" if interpreting() else "are compiled for CUDA"
             raise RuntimeError(f"Triton kernels here {how}; they cannot take a {x.device} tensor")
+        if x.is_cuda and not triton_compiles(x.dtype, cap := _capability_of(x)):
+            raise RuntimeError(f"Triton has no {x.dtype} kernels for compute capability "
+                               f"{cap[0]}.{cap[1]}: use float16, or the torch kernels")
         return "triton"
     if name == "torch":
         return "torch"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -25,7 +26,12 @@ import triton.language as tl
 from infer_lab.kernels.dispatch import interpreting
 
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # the running max starts finite: exp2(NEG_BIG - NEG_BIG) is 1, not NaN
+# Decode packs a KV head's query heads into one tile of max(16, group) rows; larger groups (rare:
+# multi-query models with many heads) go through the prefill kernel, one program per query head.
+MAX_DECODE_GROUP = 16
+# The running max starts finite: exp2(NEG_BIG - NEG_BIG) is 1, not NaN. A constexpr, because a
+# compiled kernel (Triton >= 3.0) refuses plain globals; the interpreter would not notice.
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 # ----------------------------------------------------------------------------- store
@@ -57,6 +63,28 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                          " slots laid end to end")
 
 
+NO_WINDOW = 1 << 30  # a window longer than any context: every earlier key is visible
+
+
+def _window(window: int | None) -> int:
+    """The page size and the window are runtime arguments, not constexprs: one compiled kernel
+    serves every page size and both window modes (a division and a compare per key position,
+    against a [BLOCK_N, D] load), so there are 4x fewer kernels to compile and to keep in cache."""
+    if window is None:
+        return NO_WINDOW
+    if not 0 < window < NO_WINDOW:
+        raise ValueError(f"window must be a positive number of positions, got {window}")
+    return window
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    """Index tensors (block tables, lengths, cu_seqlens, slots) as the kernels read them: the
+    kernels step through rows with one stride and assume the rest is packed."""
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"index tensors must be int32 or int64, got {t.dtype}")
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def store_kv_triton(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -68,6 +96,7 @@ def store_kv_triton(
     if v.stride(-1) != 1:
         v = v.contiguous()
     t, h, d = k.shape
+    slot_mapping = _index(slot_mapping)
     if t:
         _store_kv_kernel[(t,)](
             k, v, k_cache, v_cache, slot_mapping,
@@ -79,11 +108,11 @@ def store_kv_triton(
 
 # ----------------------------------------------------------------------------- shared pieces
 @triton.jit
-def _gather_tile(cache_ptr, table_row_ptr, offs, ok, kv_head, PAGE: tl.constexpr, stride_blk,
+def _gather_tile(cache_ptr, table_row_ptr, offs, ok, kv_head, page, stride_blk,
                  stride_slot, stride_h, dims, dim_ok):
     """Load positions ``offs`` of one sequence, one KV head: ``[BLOCK_N, BLOCK_D]``."""
-    blk = tl.load(table_row_ptr + offs // PAGE, mask=ok, other=0).to(tl.int64)
-    row = blk * stride_blk + (offs % PAGE) * stride_slot + kv_head * stride_h
+    blk = tl.load(table_row_ptr + offs // page, mask=ok, other=0).to(tl.int64)
+    row = blk * stride_blk + (offs % page) * stride_slot + kv_head * stride_h
     return tl.load(cache_ptr + row[:, None] + dims[None, :], mask=ok[:, None] & dim_ok[None, :],
                    other=0.0)
 
@@ -105,30 +134,36 @@ def _online_softmax_step(s, v, m, l_sum, acc, UPCAST: tl.constexpr, PRECISION: t
 # ----------------------------------------------------------------------------- decode
 @triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, table_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    scale_log2, window, group, head_dim, min_tiles,
+    q_ptr, kc_ptr, vc_ptr, table_ptr, ctx_ptr, cu_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    scale_log2, window, page, group, head_dim, min_tiles, use_cu,
     q_stride_t, q_stride_h, c_stride_blk, c_stride_slot, c_stride_h, table_stride,
     o_stride_t, o_stride_h, max_parts,
-    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     ctx_len = tl.load(ctx_ptr + seq).to(tl.int32)
+    # In a mixed step (use_cu = 1) sequence `seq`'s query is row cu[seq], and only sequences with
+    # a one-token chunk are decode's to do; the prefill kernel takes the others.
+    # Arithmetic, not masks: use_cu = 0 reads cu_ptr[0] twice (valid memory) and ignores it.
+    first_q = tl.load(cu_ptr + seq * use_cu).to(tl.int64)
+    next_q = tl.load(cu_ptr + (seq + 1) * use_cu).to(tl.int64)
+    q_len = (next_q - first_q) * use_cu + (1 - use_cu)
+    row_q = first_q * use_cu + seq * (1 - use_cu)
+    live = tl.where(q_len == 1, group, 0)  # heads to compute: none for a longer chunk
     hs = tl.arange(0, BLOCK_H)
     heads = kv_head * group + hs  # the q heads of this KV head's group
-    head_ok = hs < group
+    head_ok = hs < live
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
+    q = tl.load(q_ptr + row_q * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
                 mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(ctx_len - window, 0)  # the query at ctx_len-1 sees the last `window`
+    lo = tl.maximum(ctx_len - window, 0)  # the query at ctx_len-1 sees the last `window`
     tile_lo = lo // BLOCK_N
-    tile_hi = tl.cdiv(ctx_len, BLOCK_N)
+    tile_hi = tl.where(live > 0, tl.cdiv(ctx_len, BLOCK_N), 0)
     if SPLIT:  # this program's partition of the context only: computed here, from the length
         per_part = tl.maximum(tl.cdiv(tl.cdiv(ctx_len, BLOCK_N), max_parts), min_tiles)
         tile_lo = tl.maximum(tile_lo, part * per_part)
@@ -141,13 +176,13 @@ def _decode_kernel(
     for tile in range(tile_lo, tile_hi):
         offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = (offs < ctx_len) & (offs >= lo)
-        k = _gather_tile(kc_ptr, table_row, offs, ok, kv_head, PAGE, c_stride_blk,
+        k = _gather_tile(kc_ptr, table_row, offs, ok, kv_head, page, c_stride_blk,
                          c_stride_slot, c_stride_h, dims, dim_ok)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(ok[None, :], s, float("-inf"))
-        v = _gather_tile(vc_ptr, table_row, offs, ok, kv_head, PAGE, c_stride_blk,
+        v = _gather_tile(vc_ptr, table_row, offs, ok, kv_head, page, c_stride_blk,
                          c_stride_slot, c_stride_h, dims, dim_ok)
         m, l_sum, acc = _online_softmax_step(s, v, m, l_sum, acc, UPCAST, PRECISION)
     if SPLIT:
@@ -159,7 +194,7 @@ def _decode_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l_sum, mask=head_ok)
     else:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-        tl.store(out_ptr + seq * o_stride_t + heads[:, None] * o_stride_h + dims[None, :],
+        tl.store(out_ptr + row_q * o_stride_t + heads[:, None] * o_stride_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
 
 
@@ -186,17 +221,59 @@ def _reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
-def _default_tile(cache: torch.Tensor) -> int:
-    """Positions per tile: small in the interpreter (more tiles, more code paths exercised);
-    on a GPU 64 for 16-bit data, 32 for fp32 so the pipelined K/V tiles fit in shared memory."""
+class Tiles(NamedTuple):
+    """Launch shape of an attention kernel: query rows and key positions per tile, warps, stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(kind: str, element_size: int, head_dim: int,
+                 capability: tuple[int, int] | None) -> Tiles:
+    """The tiles the dispatch launches ``kind`` ("decode" or "prefill") with, from the cache's
+    element size, the head size and the GPU's compute capability (None: the interpreter).
+
+    Pure Python on purpose: ``scripts/gpu_compile.py`` compiles exactly these shapes for each GPU
+    generation on a machine without one, and fails on shared memory or register spills.
+
+    Chosen from what ptxas reports at head_dim 128 (registers / spill bytes / shared memory):
+
+    - 16-bit on sm_80+: 64x64 tiles, 4 warps (prefill 219-255 regs, 0 spill, 32-40 KB).
+    - 16-bit on sm_75 (T4): Triton's ``tl.dot`` has no tensor cores there, and 64x64 tiles sat at
+      exactly the T4's 64 KB of shared memory with ~47 KB of spills; 32x32 with 8 warps: 0 spill,
+      32 KB. Decode likewise 32 positions per tile, 8 warps (200 regs, 0 spill).
+    - fp32 everywhere: 32x32 with 8 warps; with 4 warps fp32 prefill spilled 0.5-2 KB on A100
+      and H100 and fp32 decode 0.75 KB on H100.
+    """
+    if capability is None:
+        return Tiles(16, 16, 4, 2)  # interpreter: small tiles, more tiles, more code paths run
+    if element_size > 2 or capability < (8, 0):
+        return Tiles(32, 32, 8, 2)
+    return Tiles(64, 64, 4, 2)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _tiles(kind: str, cache: torch.Tensor, head_dim: int) -> Tiles:
     if interpreting():
-        return 16
-    return 64 if cache.element_size() <= 2 else 32
+        return choose_tiles(kind, cache.element_size(), head_dim, None)
+    index = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
+    return choose_tiles(kind, cache.element_size(), head_dim, _capability(index))
+
+
+def precision_for(dtype_name: str) -> str:
+    """``tl.dot`` input precision: fp32 operands get true fp32 products ("ieee"), since by default
+    a GPU rounds them to tf32; for 16-bit operands the setting does not matter."""
+    return "ieee" if dtype_name == "fp32" else "tf32"
 
 
 def _precision(cache: torch.Tensor, upcast: bool) -> str:
-    """fp32 operands get true fp32 products ("ieee"): by default a GPU rounds them to tf32."""
-    return "ieee" if upcast or cache.dtype == torch.float32 else "tf32"
+    return precision_for("fp32" if upcast or cache.dtype == torch.float32 else "16-bit")
 
 
 @functools.cache
@@ -218,9 +295,14 @@ def paged_decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float | None = None, window: int | None = None, *,
     num_splits: int | None = None, min_split_tokens: int | None = None,
-    block_n: int | None = None,
+    block_n: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (``q`` ``[B, Hq, D]``) over its paged context.
+
+    With ``cu_seqlens_q`` (a mixed chunked-prefill step, ``q`` ``[T, Hq, D]``), only the
+    sequences whose chunk is one token are computed, into those rows of ``out``; the prefill
+    kernel does the rest. Partitioning is then off (the prefill work fills the GPU).
 
     ``num_splits`` > 1 cuts each context into that many partitions, of at least
     ``min_split_tokens`` positions each, that run in parallel (flash-decoding) and are then
@@ -234,11 +316,21 @@ def paged_decode_attention_triton(
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not split into groups over {hkv} KV heads")
     group = hq // hkv
+    if group > MAX_DECODE_GROUP:
+        raise ValueError(f"decode packs at most {MAX_DECODE_GROUP} query heads per KV head, got "
+                         f"{group}: use paged_prefill_attention_triton")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    block_n = block_n or _default_tile(k_cache)
+    tiles = _tiles("decode", k_cache, d)
+    block_n = block_n or tiles.block_n
     block_d = max(16, triton.next_power_of_2(d))
-    block_h = max(16, triton.next_power_of_2(group))  # tl.dot wants >= 16 rows on a GPU
-    out = torch.empty_like(q)
+    block_h = 16  # tl.dot wants >= 16 rows on a GPU; groups up to 16 fit (one compiled shape)
+    out = torch.empty_like(q) if out is None else out
+    block_tables, context_lens = _index(block_tables), _index(context_lens)
+    mixed = cu_seqlens_q is not None
+    if mixed:
+        cu_seqlens_q = _index(cu_seqlens_q)
+        b = len(context_lens)
+        num_splits = 1
     if b == 0:
         return out
     if q.stride(-1) != 1:
@@ -257,13 +349,14 @@ def paged_decode_attention_triton(
         part_acc = part_ml = out  # unused
     upcast = interpreting() and k_cache.dtype == torch.bfloat16  # bf16 tl.dot is wrong there
     _decode_kernel[(b, hkv, parts)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
-        scale * LOG2E, window or 0, group, d, min_tiles,
+        q, k_cache, v_cache, block_tables, context_lens,
+        cu_seqlens_q if mixed else context_lens, out, part_acc, part_ml,
+        scale * LOG2E, _window(window), k_cache.shape[1], group, d, min_tiles, int(mixed),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), parts,
-        PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split,
-        HAS_WINDOW=window is not None, UPCAST=upcast, PRECISION=_precision(k_cache, upcast),
-        num_warps=4, num_stages=2,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split,
+        UPCAST=upcast, PRECISION=_precision(k_cache, upcast),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if split:
         _reduce_kernel[(b, hq)](
@@ -277,11 +370,11 @@ def paged_decode_attention_triton(
 @triton.jit
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, table_ptr, ctx_ptr, cu_ptr, out_ptr,
-    scale_log2, window, group, head_dim,
+    scale_log2, window, page, group, head_dim, min_q_len,
     q_stride_t, q_stride_h, c_stride_blk, c_stride_slot, c_stride_h, table_stride,
     o_stride_t, o_stride_h,
-    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -290,6 +383,7 @@ def _prefill_kernel(
     q_start = tl.load(cu_ptr + seq).to(tl.int32)
     q_len = tl.load(cu_ptr + seq + 1).to(tl.int32) - q_start
     ctx_len = tl.load(ctx_ptr + seq).to(tl.int32)
+    q_len = tl.where(q_len >= min_q_len, q_len, 0)  # shorter chunks: the decode kernel's
     first = ctx_len - q_len + tile * BLOCK_M  # position of this tile's first query
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len
@@ -304,9 +398,7 @@ def _prefill_kernel(
     # (the grid is sized for the longest chunk) gets an empty range and stores nothing.
     hi = tl.minimum(first + BLOCK_M, ctx_len)
     hi = tl.where(tile * BLOCK_M < q_len, hi, 0)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(first - window + 1, 0)
+    lo = tl.maximum(first - window + 1, 0)
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -314,16 +406,15 @@ def _prefill_kernel(
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         ok = offs < hi
-        k = _gather_tile(kc_ptr, table_row, offs, ok, kv_head, PAGE, c_stride_blk,
+        k = _gather_tile(kc_ptr, table_row, offs, ok, kv_head, page, c_stride_blk,
                          c_stride_slot, c_stride_h, dims, dim_ok)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         visible = ok[None, :] & (offs[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (offs[None, :] > pos[:, None] - window)
+        visible = visible & (offs[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        v = _gather_tile(vc_ptr, table_row, offs, ok, kv_head, PAGE, c_stride_blk,
+        v = _gather_tile(vc_ptr, table_row, offs, ok, kv_head, page, c_stride_blk,
                          c_stride_slot, c_stride_h, dims, dim_ok)
         m, l_sum, acc = _online_softmax_step(s, v, m, l_sum, acc, UPCAST, PRECISION)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
@@ -335,36 +426,45 @@ def paged_prefill_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float | None = None,
     window: int | None = None, *, max_query_len: int | None = None,
-    block_m: int | None = None, block_n: int | None = None,
+    block_m: int | None = None, block_n: int | None = None, min_query_len: int = 1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Query chunks of a flattened ragged batch (``q`` ``[T, Hq, D]``), each attending causally to
-    itself and to its sequence's earlier K/V, all of it already in the paged cache."""
+    itself and to its sequence's earlier K/V, all of it already in the paged cache.
+
+    ``max_query_len``: the longest chunk, known on the host when the batch is built; without it
+    it is read from ``cu_seqlens_q``, a device-to-host sync. Chunks shorter than
+    ``min_query_len`` are skipped (their rows of ``out`` untouched): the decode kernel does them.
+    """
     _check_cache(k_cache, v_cache)
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not split into groups over {hkv} KV heads")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     b = len(context_lens)
     if t == 0:
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
+    block_tables, context_lens = _index(block_tables), _index(context_lens)
+    cu_seqlens_q = _index(cu_seqlens_q)
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_m = block_m or _default_tile(k_cache)
-    block_n = block_n or _default_tile(k_cache)
+    tiles = _tiles("prefill", k_cache, d)
+    block_m = block_m or tiles.block_m
+    block_n = block_n or tiles.block_n
     block_d = max(16, triton.next_power_of_2(d))
     upcast = interpreting() and k_cache.dtype == torch.bfloat16  # bf16 tl.dot is wrong there
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), b, hq)](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
-        scale * LOG2E, window or 0, hq // hkv, d,
+        scale * LOG2E, _window(window), k_cache.shape[1], hq // hkv, d, min_query_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_WINDOW=window is not None, UPCAST=upcast, PRECISION=_precision(k_cache, upcast),
-        num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        UPCAST=upcast, PRECISION=_precision(k_cache, upcast),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
 
@@ -372,12 +472,28 @@ def paged_prefill_attention_triton(
 def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float | None = None,
-    window: int | None = None,
+    window: int | None = None, *, max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``paged_attention_ref``: decode kernel when every chunk is one token
-    (``T == B``; each chunk has at least one), the prefill kernel otherwise."""
-    if q.shape[0] == len(context_lens):
+    """Same contract as ``paged_attention_ref``. Every chunk one token (``T == B``; each chunk
+    has at least one): the decode kernel. Otherwise, a mixed chunked-prefill step: the decode
+    kernel takes the one-token chunks (K/V read once per KV-head group, not once per query
+    head) and the prefill kernel the longer ones, both writing into one output.
+    ``max_query_len`` (a host int from the batch) spares the prefill kernel a sync.
+
+    Groups of more than ``MAX_DECODE_GROUP`` query heads per KV head go through the prefill
+    kernel alone, which has no such limit.
+    """
+    hkv = k_cache.shape[2]
+    group_ok = q.shape[1] % hkv == 0 and q.shape[1] // hkv <= MAX_DECODE_GROUP
+    if q.shape[0] == len(context_lens) and group_ok:
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
                                              scale, window)
+    if not group_ok:
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
+                                              cu_seqlens_q, scale, window,
+                                              max_query_len=max_query_len)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                        window, cu_seqlens_q=cu_seqlens_q)
     return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
-                                          cu_seqlens_q, scale, window)
+                                          cu_seqlens_q, scale, window, out=out,
+                                          max_query_len=max_query_len, min_query_len=2)
