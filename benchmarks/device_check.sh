@@ -14,7 +14,9 @@
 # Output goes to $OUT when set (the device tool brings back at most 8 files: summary.txt, one log
 # per step, kernels.json), else to benchmarks/results/device_check/. Exit status: 0 if all passed.
 # Nothing is installed: infer_lab runs from this tree (PYTHONPATH), everything else is there.
-# CHAPTERS=0 skips step 3 (steps 2 and 4 are the ones that matter most).
+# CHAPTERS=0 skips step 3 (steps 2 and 4 are the ones that matter most). STEPS="gpu_tests kernels"
+# runs only the named steps (a rerun after a fix). A step over its limit is interrupted (SIGINT,
+# then SIGKILL 15 s later), so a pytest still prints its summary of what passed and failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -25,12 +27,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OF
   TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg
 failed=0
 
+wanted() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
+
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the verdict
   local name=$1 limit=$2 start rc
   shift 2
+  if ! wanted "$name"; then echo "$name: skipped (STEPS=$STEPS)" | tee -a "$RES/summary.txt"; return; fi
   echo "== $name (limit ${limit}s)"
   start=$(date +%s)
-  timeout "$limit" "$@" 2>&1 | tee "$RES/$name.log"
+  timeout -s INT -k 15 "$limit" "$@" 2>&1 | tee "$RES/$name.log"
   rc=${PIPESTATUS[0]}
   echo "$name: rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$RES/summary.txt"
   [ "$rc" -eq 0 ] || failed=1
@@ -40,9 +45,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
   $PY -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__,
 "triton", triton.__version__, "cuda", torch.cuda.is_available())' 2>&1; } | tee -a "$RES/summary.txt"
 
-KERNEL_TESTS="tests/test_kernels_ops.py tests/test_kernels_attention.py tests/test_kernels_model.py"
+KERNEL_TESTS="tests/test_kernels_ops.py tests/test_kernels_attention.py tests/test_kernels_model.py \
+  tests/test_kernels_dispatch.py"
+# -n only where pytest-xdist is installed (the GPU image may lack it).
+XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n auto" || echo "-p no:xdist")
 step cpu_dry_run 120 env CUDA_VISIBLE_DEVICES= bash -c \
-  "$PY -m pytest -q -n auto -p no:cacheprovider $KERNEL_TESTS && \
+  "$PY -m pytest -q $XDIST -p no:cacheprovider $KERNEL_TESTS && \
    $PY -m benchmarks.kernels --cpu-smoke --out /tmp/infer_lab_smoke"
 
 # The gpu-marked modules by name: collecting all of tests/ would import the server stack

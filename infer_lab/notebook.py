@@ -33,8 +33,11 @@ class _Formatted:
         return self.text
 
 
-def glue(name: str, value: Any, fmt: str | None = None) -> Any:
-    """Hand a computed value to the book's prose (myst-nb ``glue``) and return it.
+def glue(name: str, value: Any, fmt: str | None = None) -> None:
+    """Hand a computed value to the book's prose (myst-nb ``glue``).
+
+    It returns nothing on purpose: a cell that ends in ``glue(...)`` must not print the value a
+    second time as the cell's result (a stray ``np.float64(60.75...)`` under the cell).
 
     Outside a book build (Colab, a plain Jupyter: no myst-nb) it prints ``name = value``: the
     notebook's prose names the value (``scripts/sync_notebooks.py`` writes ```name``` where the
@@ -45,6 +48,5 @@ def glue(name: str, value: Any, fmt: str | None = None) -> Any:
         from myst_nb import glue as _glue
     except ImportError:
         print(f"{name} = {shown!r}" if not fmt else f"{name} = {shown}")
-        return value
+        return
     _glue(name, shown, display=False)
-    return value

@@ -139,7 +139,17 @@ def test_setup_cell_keeps_extras_and_packages():
 
 # ----------------------------------------------------------------------------- code cells
 COLUMN = 88  # characters of code the rendered page shows without scrolling
-QUIET_CALLS = {"print", "display", "show", "savefig", "tight_layout", "legend", "close"}
+# Calls that return None (glue too: see test_glue_returns_nothing), so end a cell quietly.
+QUIET_CALLS = {"print", "display", "show", "savefig", "tight_layout", "legend", "close", "glue"}
+
+
+def test_glue_returns_nothing_and_prints_outside_a_book_build(capsys, monkeypatch):
+    from infer_lab.notebook import glue
+
+    monkeypatch.setitem(sys.modules, "myst_nb", None)  # as on Colab: no myst-nb
+    assert glue("ch0_speedup", 4.256, ".1f") is None
+    assert glue("ch0_n", 12) is None
+    assert capsys.readouterr().out.splitlines() == ["ch0_speedup = 4.3", "ch0_n = 12"]
 
 
 def _stray_value(source: str) -> str | None:
