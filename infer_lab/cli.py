@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting-tokens", type=int, default=1 << 18,
                      help="prompt tokens of the waiting requests; beyond: 429")
     srv.add_argument("--limit-concurrency", type=int, default=1024,
-                     help="open connections and requests at most; beyond: 503")
+                     help="requests in progress at most; beyond: a JSON 503 with Retry-After")
     srv.add_argument("--timeout-keep-alive", type=int, default=5,
                      help="seconds an idle keep-alive connection is kept")
     srv.add_argument("--shutdown-grace", type=float, default=10.0,

@@ -7,11 +7,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
 
 from infer_lab.serve.async_engine import AsyncEngine
 from infer_lab.serve.errors import install_handlers
-from infer_lab.serve.middleware import ApiKey, BodyLimit, CatchAll
-from infer_lab.serve.routes import router
+from infer_lab.serve.middleware import ApiKey, BodyLimit, CatchAll, ConcurrencyLimit
+from infer_lab.serve.routes import BODIES, router
 from infer_lab.serve.state import ServerState
 
 
@@ -24,6 +26,22 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         server.engine.shutdown()
         server.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema plus the request bodies, which the handlers parse themselves (off the
+    event loop when large) and so do not declare as parameters."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    _, defs = models_json_schema([(m, "validation") for m in BODIES.values()],
+                                 ref_template="#/components/schemas/{model}")
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+    for path, model in BODIES.items():
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.openapi_schema = schema
+    return schema
 
 
 def build_app(
@@ -41,11 +59,13 @@ def build_app(
     app = FastAPI(title="infer_lab", version="0.1.0", lifespan=_lifespan)
     context = max_model_len or engine.engine.max_model_len
     app.state.server = ServerState(engine, model_name, context)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     install_handlers(app)
     app.include_router(router)
-    # added last = runs first: the key, then the body limit, then the JSON-500 net
+    # added last = runs first: the concurrency limit, the key, the body limit, the JSON-500 net
     app.add_middleware(CatchAll)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout=body_timeout)
     if api_key is not None:
         app.add_middleware(ApiKey, api_key=api_key, guard_all=guard_all)
+    app.add_middleware(ConcurrencyLimit, holder=app.state.server)
     return app

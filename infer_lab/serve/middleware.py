@@ -113,6 +113,32 @@ class BodyLimit:
                 return b"".join(parts), True
 
 
+class ConcurrencyLimit:
+    """At most ``holder.max_concurrency`` requests in the app at once; beyond it, a JSON 503
+    with ``Retry-After`` (uvicorn's own limit, set above this one, answers plain text).
+
+    ``/health`` is not counted: a load balancer must still see a busy server as alive. The limit
+    is read from ``holder`` on each request so that ``make_server`` can set it after the app is
+    built; None means no limit."""
+
+    def __init__(self, app: ASGIApp, holder: object) -> None:
+        self.app, self.holder, self.active = app, holder, 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = getattr(self.holder, "max_concurrency", None)
+        if scope["type"] != "http" or limit is None or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        if self.active >= limit:
+            return await _send_json(send, error_body(
+                f"the server is at its limit of {limit} concurrent requests", "server_error",
+                code="too_many_connections"), 503, {"Retry-After": "1"})
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+
 class CatchAll:
     """An exception no handler expected: log it here, answer a JSON 500, keep the connection."""
 

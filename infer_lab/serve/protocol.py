@@ -112,13 +112,13 @@ class CompletionRequest(SamplingFields):
     def _prompt_text(cls, v: Any) -> Any:
         if isinstance(v, str):
             check_text(v, "prompt")
-        elif isinstance(v, list):
+        elif v and isinstance(v[0], str):
             for item in v:
-                if isinstance(item, str):
-                    check_text(item, "prompt")
-                elif not all(0 <= t <= _INT32 for t in (item if isinstance(item, list) else [item])
-                             ):
-                    raise ValueError("prompt token ids must be in [0, 2**31)")
+                check_text(item, "prompt")
+        elif v:  # token ids: min and max run in C, a per-id Python loop would hold the loop
+            lists = v if isinstance(v[0], list) else [v]
+            if any(ids and (min(ids) < 0 or max(ids) > _INT32) for ids in lists):
+                raise ValueError("prompt token ids must be in [0, 2**31)")
         return v
 
     def unsupported(self) -> None:

@@ -8,14 +8,17 @@ end while watching for the client to hang up; a request that fails, fails alone.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 
 from infer_lab.engine import RequestOutput, SamplingParams
 from infer_lab.serve.async_engine import RequestFailed
@@ -41,6 +44,10 @@ log = logging.getLogger("infer_lab.serve")
 router = APIRouter()
 SAMPLING_EPS = 1e-5  # below this, temperature or top_p means greedy
 Server = Annotated[ServerState, Depends(server_state)]
+OFF_LOOP_BYTES = 64 * 1024  # bodies above this are parsed and validated in a worker thread
+Body = TypeVar("Body", bound=BaseModel)
+BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
+                                      "/v1/chat/completions": ChatCompletionRequest}
 
 
 @router.get("/health")
@@ -69,9 +76,36 @@ async def models(server: Server) -> dict[str, Any]:
     }]}
 
 
+async def parse_body(request: Request, server: ServerState, model: type[Body]) -> Body:
+    """Parse and validate the JSON body, off the event loop when it is large: a 1 MB list of
+    token ids or thousands of message parts take tens to hundreds of milliseconds, which every
+    stream in flight would otherwise see as a gap. (The app's OpenAPI schema still describes
+    these bodies: see ``infer_lab.serve.app``.)"""
+    raw = await request.body()
+    if len(raw) <= OFF_LOOP_BYTES:
+        return validate_body(model, raw)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(server.pool, validate_body, model, raw)
+
+
+def validate_body(model: type[Body], raw: bytes) -> Body:
+    """``json.loads`` then pydantic, as FastAPI does it: pydantic's own JSON parser would refuse
+    a lone surrogate (``"\\ud800"``) as invalid JSON, where the request deserves to be told
+    which field is not valid Unicode."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
+                                       "msg": "invalid JSON"}]) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
+
+
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request,
-                      server: Server) -> Any:
+async def completions(request: Request, server: Server) -> Any:
+    body = await parse_body(request, server, CompletionRequest)
     check_request(server, body)
     prompt = single_prompt(body.prompt)
     server.engine.check_admission()  # cheap: refuse before tokenizing when already full
@@ -83,8 +117,8 @@ async def completions(body: CompletionRequest, request: Request,
 
 
 @router.post("/v1/chat/completions")
-async def chat(body: ChatCompletionRequest, request: Request,
-               server: Server) -> Any:
+async def chat(request: Request, server: Server) -> Any:
+    body = await parse_body(request, server, ChatCompletionRequest)
     check_request(server, body)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     server.engine.check_admission()

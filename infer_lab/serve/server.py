@@ -150,12 +150,18 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
                 grace: float = 10.0, limit_concurrency: int | None = 1024,
                 timeout_keep_alive: int = 5, header_timeout: float = 10.0,
                 log_level: str = "warning") -> DrainingServer:
-    """A uvicorn server with bounded connections: at most ``limit_concurrency`` (503 beyond),
-    idle keep-alive closed after ``timeout_keep_alive`` s, a stalled head after
-    ``header_timeout`` s; SIGTERM/SIGINT drain for ``grace`` s."""
+    """A uvicorn server with bounded connections: at most ``limit_concurrency`` requests (a
+    JSON 503 beyond, from :class:`ConcurrencyLimit`), idle keep-alive closed after
+    ``timeout_keep_alive`` s, a stalled head after ``header_timeout`` s; SIGTERM/SIGINT drain
+    for ``grace`` s. uvicorn's own limit, which counts idle keep-alive connections too and
+    answers plain text, is set above ours as a backstop."""
+    state = getattr(getattr(app, "state", None), "server", None)
+    if state is not None:
+        state.max_concurrency = limit_concurrency
+    backstop = None if limit_concurrency is None else 2 * limit_concurrency + 64
     protocol = type("H11Protocol", (GuardedH11Protocol,), {"HEADER_TIMEOUT": header_timeout})
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                            limit_concurrency=limit_concurrency,
+                            limit_concurrency=backstop,
                             timeout_keep_alive=timeout_keep_alive,
                             timeout_graceful_shutdown=int(grace) + 5,
                             h11_max_incomplete_event_size=64 * 1024)

@@ -28,6 +28,7 @@ class ServerState:
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenize"))
     max_prompt_bytes: int = 0
+    max_concurrency: int | None = None  # requests in the app at once (set by make_server)
 
     def __post_init__(self) -> None:
         if not self.max_prompt_bytes:
