@@ -14,7 +14,8 @@ markdown cells are rewritten:
   their text;
 - the Colab setup cell (the first code cell that tests ``"google.colab" in sys.modules``) is
   generated from ``repository.url`` in ``_config.yml``, keeping the chapter's extras and extra
-  packages: ``INFER_LAB_REPO`` overrides the URL, and a failed install says what to do.
+  packages (and adding ``[serve]`` to a chapter that uses the server): ``INFER_LAB_REPO``
+  overrides the URL, and a failed install says what to do.
 
 Cell ids are derived from the chapter and the cell's position, so the output depends on the
 ``.md`` alone: running the script twice changes nothing (``make pairing`` relies on it).
@@ -196,10 +197,14 @@ def repository_url(config: Path = ROOT / "_config.yml") -> str:
     return m.group(1)
 
 
-def setup_cell(source: str, url: str) -> str:
-    """The Colab install cell, generated; keeps the chapter's extras and extra packages."""
+SERVES = re.compile(r"infer_lab\.serve|infer-lab serve|\bimport openai\b|from openai import")
+
+
+def setup_cell(source: str, url: str, serves: bool = False) -> str:
+    """The Colab install cell, generated; keeps the chapter's extras and extra packages, and
+    adds the ``serve`` extra when the chapter uses the server (``serves``)."""
     extras = re.search(r"infer_lab(\[[a-z,\-]+\])", source)
-    extra = extras.group(1) if extras else ""
+    extra = extras.group(1) if extras else ("[serve]" if serves else "")
     skip = {"-m", "pip", "install", "-q", "-U", "--upgrade"}
     packages = [p for p in re.findall(r'"([A-Za-z0-9_.\-]+(?:[=<>!~]=?[A-Za-z0-9_.*]+)?)"',
                                       source.split("subprocess.run", 1)[-1])
@@ -239,7 +244,7 @@ def notebook_for(md: Path, bib: dict, url: str) -> nbformat.NotebookNode:
         if cell.cell_type == "markdown":
             cell.source = plain_markdown(cell.source, cites)
         elif cell.cell_type == "code" and not setup_done and SETUP_MARK in cell.source:
-            cell.source = setup_cell(cell.source, url)
+            cell.source = setup_cell(cell.source, url, bool(SERVES.search(text)))
             setup_done = True
     for cell in nb.cells:
         if cell.cell_type == "markdown" and "@@BIBLIOGRAPHY@@" in cell.source:

@@ -135,6 +135,9 @@ def test_setup_cell_keeps_extras_and_packages():
     assert 'REPO = "git+https://example.org/me/infer_lab"' in cell
     assert 'f"infer_lab[serve] @ {spec}"' in cell and '"openai"]' in cell
     compile(cell, "setup", "exec")  # valid Python
+    plain = 'if "google.colab" in sys.modules:\n    pass'
+    assert "infer_lab[serve] @" in sn.setup_cell(plain, "https://x.org/a/b", serves=True)
+    assert 'f"infer_lab @ {spec}"' in sn.setup_cell(plain, "https://x.org/a/b")
 
 
 # ----------------------------------------------------------------------------- code cells
