@@ -70,7 +70,7 @@ def make_venv(torch_spec: str) -> Path:
     # Whatever an earlier run's setup cells installed goes: each run starts as Colab does.
     subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "infer_lab"],
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    probe = subprocess.run([str(py), "-c", "import infer_lab"], capture_output=True)
+    probe = subprocess.run([str(py), "-c", "import infer_lab"], capture_output=True, cwd="/")
     if probe.returncode == 0:
         raise SystemExit(f"{VENV}: infer_lab is importable before the setup cell; remove it")
     return py
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 nb = fresh
             start = time.time()
             proc = subprocess.run([str(py), "-c", RUNNER, str(nb), str(content),
-                                   str(args.timeout)], env=env, capture_output=True, text=True)
+                                   str(args.timeout)], env=env, capture_output=True, text=True,
+                                  cwd=content)
             ok = proc.returncode == 0
             results.append((nb.stem, ok, time.time() - start))
             print(f"colab-check {nb.stem}: {'ok' if ok else 'FAILED'} "
