@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from infer_lab.cache.kv_quant import kv_storage_bytes
 from infer_lab.cache.planner import plan_memory
-from infer_lab.cache.sizing import kv_bytes_per_token
 from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.kv_cache_manager import KVCacheManager
 from infer_lab.engine.model_runner import ModelRunner
@@ -34,6 +34,7 @@ from infer_lab.engine.scheduler import make_scheduler
 from infer_lab.engine.sequence import Request, Sequence, SequenceStatus
 from infer_lab.engine.stop import StopMatcher
 from infer_lab.model.generate import stop_token_ids
+from infer_lab.model.quantize import check_model_quantization, model_weight_bytes
 from infer_lab.model.tokenizer import Tokenizer
 from infer_lab.model.transformer import Transformer
 from infer_lab.utils import cdiv
@@ -101,6 +102,7 @@ class LLMEngine:
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model, self.tokenizer = model, tokenizer
         config = EngineConfig.from_kwargs(config, **kwargs)
+        check_model_quantization(model, config.quantization)
         if config.tensor_parallel_size > 1:
             # Rank 0 keeps its slice and starts the other ranks; from here on the model is the
             # driver that mirrors every forward on them (CUDA graphs would not capture that).
@@ -138,14 +140,17 @@ class LLMEngine:
     def _default_num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         cfg, dtype_bytes = self.model.config, self.model.dtype.itemsize
         block_size, util = config.block_size, config.gpu_memory_utilization
+        # Chapter 8: quantized weights leave more room, an 8-bit KV cache costs less per token
+        per_block = int(kv_storage_bytes(cfg, config.kv_cache_dtype, dtype_bytes)) * block_size
+        weight_bytes: float = dtype_bytes
+        if getattr(self.model, "quantization", None):
+            weight_bytes = model_weight_bytes(self.model) / cfg.num_parameters()
         if self.model.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.model.device).total_memory
-            plan = plan_memory(int(total * util), cfg, weight_dtype_bytes=dtype_bytes,
+            plan = plan_memory(int(total * util), cfg, weight_dtype_bytes=weight_bytes,
                                kv_dtype_bytes=dtype_bytes, reserve_bytes=0)
             free_now = torch.cuda.mem_get_info(self.model.device)[0]
-            per_block = plan.kv_bytes_per_token * block_size
-            return max(1, min(plan.num_blocks(block_size), int(free_now * util) // per_block))
-        per_block = kv_bytes_per_token(cfg, dtype_bytes) * block_size
+            return max(1, min(plan.kv_budget_bytes // per_block, int(free_now * util) // per_block))
         everything = config.max_num_seqs * cdiv(max_model_len, block_size)
         return max(1, min(everything, CPU_KV_BYTES // per_block))
 

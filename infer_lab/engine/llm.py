@@ -47,7 +47,7 @@ class LLM:
                 raise ValueError("pass tokenizer= together with a model object")
             self.model, self.tokenizer = model, tokenizer
         else:
-            self.model, self.tokenizer = load(model, device, dtype)
+            self.model, self.tokenizer = load(model, device, dtype, config.quantization)
             if tokenizer is not None:
                 self.tokenizer = tokenizer
         self.engine = LLMEngine(self.model, self.tokenizer, config)

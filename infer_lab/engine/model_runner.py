@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from infer_lab.cache.batch import PagedBatch, flatten_batch
-from infer_lab.cache.paged import PagedAttentionContext, PagedKVCache
+from infer_lab.cache.kv_quant import attention_backend_for, make_paged_kv_cache
+from infer_lab.cache.paged import PagedAttentionContext
 from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.scheduler import SchedulerOutput
 from infer_lab.engine.sequence import Sequence
@@ -59,7 +60,9 @@ class ModelRunner:
                                         config.max_num_seqs)
         # One extra block past the pool: a scratch block where filler rows (static batching's
         # padding, CUDA-graph padding) write K/V nobody reads.
-        self.cache = PagedKVCache(model.config, num_blocks + 1, bs, self.device, model.dtype)
+        self.cache = make_paged_kv_cache(model.config, num_blocks + 1, bs, self.device,
+                                         model.dtype, config.kv_cache_dtype)  # 8-bit: Ch. 8
+        self.attn_backend = attention_backend_for(self.cache, None)
         self.scratch = num_blocks
         self.max_blocks = cdiv(config.max_model_len, bs)
         self.filler_row = max_num_seqs
@@ -133,7 +136,7 @@ class ModelRunner:
         n = batch.num_seqs
         if self.graphs and batch.num_tokens == n and len(sampled) == n and n <= max(self.graphs):
             return self._replay(batch), sampled
-        ctx = PagedAttentionContext(self.cache, batch)
+        ctx = PagedAttentionContext(self.cache, batch, backend=self.attn_backend)
         return self.forward(batch.input_ids, batch.positions, ctx), sampled
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -160,7 +163,7 @@ class ModelRunner:
                                    self._g_bt[:b], self._g_ctx[:b], self._g_cu[: b + 1],
                                    self._g_logits[:b], bs, max_query_len=1,
                                    max_context_len=self.config.max_model_len)
-                ctx = PagedAttentionContext(self.cache, batch)
+                ctx = PagedAttentionContext(self.cache, batch, backend=self.attn_backend)
                 with torch.inference_mode():
                     self.model(batch.input_ids, batch.positions, ctx)  # warm-up, outside capture
                     torch.cuda.synchronize()

@@ -417,3 +417,18 @@ def load_quantized(model: str | os.PathLike | None, device: torch.device | str |
     tok = gguf._tokenizer(f)
     m = gguf._load_model(f, device, dtype)
     return keep_gguf_blocks(m, f), tok
+
+
+def check_model_quantization(model: object, quantization: str | None) -> None:
+    """The engine's check: a ``quantization`` option must match the model it is given."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise QuantizationError(
+            f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}")
+    have = getattr(model, "quantization", None)
+    if have is None or have.split("-")[0] != quantization:
+        raise QuantizationError(
+            f"quantization={quantization!r} but the model is "
+            + (f"quantized as {have}" if have else "not quantized")
+            + ": load it with il.load(..., quantization=...) or il.LLM(path, quantization=...)")
