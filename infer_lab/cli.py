@@ -40,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )
     app = make_app(
         args.model, config=config, served_model_name=args.served_model_name,
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--num-kv-blocks", type=int, default=None)
     kv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     srv.add_argument("--policy", choices=["continuous", "static"], default="continuous")
+    srv.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
+                     help="weights in int8, int4 (groups of 32) or a GGUF file's own blocks")
+    srv.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], default="auto",
+                     help="KV cache storage: the model's dtype, or 8 bits (about 2x the tokens)")
     srv.add_argument("--no-prefix-caching", action="store_true")
     srv.add_argument("--no-chunked-prefill", action="store_true")
     srv.add_argument("--tensor-parallel-size", type=int, default=1,

@@ -90,3 +90,32 @@ def test_llm_quantization_option_and_errors(int8_model):
         il.LLM(model, tokenizer=tok, quantization="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         il.LLM(model, tokenizer=tok, kv_cache_dtype="int4")
+
+
+def test_server_serves_a_quantized_model_with_an_int8_cache():
+    import httpx
+
+    from infer_lab.serve.server import make_app
+    from tests.live_server import running
+
+    app = make_app(None, device="cpu", num_kv_blocks=64, max_num_seqs=8, quantization="int8",
+                   kv_cache_dtype="int8")
+    llm = il.LLM(quantization="int8", kv_cache_dtype="int8", num_kv_blocks=64)
+    want = llm.generate("And God said,", il.SamplingParams(max_tokens=12, temperature=0.0,
+                                                          ignore_eos=True), use_tqdm=False)
+    with running(app) as base:
+        r = httpx.post(f"{base}/v1/completions", json={
+            "prompt": "And God said,", "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+
+
+def test_serve_command_line_takes_the_quantization_options():
+    from infer_lab.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--quantization", "int4", "--kv-cache-dtype",
+                                      "fp8_e4m3", "--num-kv-blocks", "8"])
+    assert (args.quantization, args.kv_cache_dtype, args.num_kv_blocks) == ("int4", "fp8_e4m3", 8)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int3"])

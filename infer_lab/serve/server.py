@@ -59,7 +59,8 @@ def make_app(
     path = resolve_model_path(model)
     name = model_id(model, path, served_model_name)
     config = EngineConfig.from_kwargs(config, **engine_args)
-    llm_model, tokenizer = load(path, device=device, dtype=dtype)
+    llm_model, tokenizer = load(path, device=device, dtype=dtype,
+                                quantization=config.quantization)  # Chapter 8
     engine = AsyncEngine(LLMEngine(llm_model, tokenizer, config),
                          ServerMetrics(name, vllm_names=vllm_metric_names),
                          max_waiting_requests=max_waiting_requests,
