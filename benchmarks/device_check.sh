@@ -88,6 +88,9 @@ PYCODE
 fi
 
 step kernels 150 $PY -m benchmarks.kernels --out "$RES"
+# Chapter 8: the W8A16 / W4A16 Triton kernels in GB/s against copy bandwidth (target: the W4A16
+# GEMV at >= 70 %); their correctness on the GPU is in gpu_tests (tests/test_quant_gpu.py).
+step quant_kernels 45 $PY -m benchmarks.quantization --gpu-kernels --out "$RES"
 
 echo "overall: $([ $failed -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$RES/summary.txt"
 exit $failed

@@ -128,6 +128,37 @@ def _linear(w: torch.Tensor) -> torch.nn.Linear:
     return lin
 
 
+def gpu_kernels() -> list[dict]:
+    """The Triton W8A16 / W4A16 kernels on CUDA at Llama-3-8B's MLP shapes: GB/s on the bytes
+    each reads (codes, scales, activations, output), against the device's copy bandwidth.
+    Target on an H200: the W4A16 GEMV at 70 % of copy bandwidth or more."""
+    from infer_lab.kernels import triton_module
+    from infer_lab.measure.roofline import measure_copy_bandwidth
+    from infer_lab.measure.timing import time_fn
+
+    tq = triton_module("triton_quant")
+    copy_bw = measure_copy_bandwidth("cuda")
+    rows = []
+    for n, k in ((14336, 4096), (4096, 14336), (28672, 4096)):
+        lin = torch.nn.Linear(k, n, bias=False, device="cuda")
+        for fmt in ("int8", "int4"):
+            layer = QuantizedLinear.from_linear(lin, fmt, 128 if fmt == "int4" else 32)
+            for m in (1, 16, 256):
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                if fmt == "int8":
+                    fn = lambda x=x, ly=layer: tq.w8_linear(x, ly.qweight, ly.scale)  # noqa: E731
+                else:
+                    fn = lambda x=x, ly=layer: tq.w4_linear(  # noqa: E731
+                        x, ly.qweight, ly.scale, ly.minimum, ly.group_size)
+                seconds = time_fn(fn, repeats=20, device="cuda")
+                nbytes = layer.weight_bytes + x.numel() * 2 + m * n * 2
+                rows.append(dict(fmt=fmt, n=n, k=k, rows=m, us=seconds * 1e6,
+                                 gb_s=nbytes / seconds / 1e9,
+                                 of_copy=nbytes / seconds / copy_bw,
+                                 tflops=2 * m * n * k / seconds / 1e12))
+    return rows
+
+
 # ---------------------------------------------------------------------------- decode
 @torch.inference_mode()
 def decode_tokens_per_s(model: torch.nn.Module, batch: int, context: int, steps: int) -> float:
@@ -227,34 +258,44 @@ def kv_capacity() -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["tiny-kjv", SMOLLM2])
-    p.add_argument("--window", type=int, default=256)
-    p.add_argument("--ppl-tokens", type=int, default=512)
-    p.add_argument("--agree-tokens", type=int, default=16)
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--ppl-tokens", type=int, default=256)
+    p.add_argument("--agree-tokens", type=int, default=8)
     p.add_argument("--context", type=int, default=64)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--kernel-repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--gpu-kernels", action="store_true",
+                   help="only the Triton kernels on CUDA (benchmarks/device_check.sh)")
     args = p.parse_args()
+    if args.gpu_kernels:
+        rows = gpu_kernels()
+        print_table(rows, ["fmt", "n", "k", "rows", "us", "gb_s", "of_copy", "tflops"])
+        write_results("quantization_gpu", dict(provenance=provenance("cuda"), rows=rows),
+                      args.out)
+        return
     torch.set_num_threads(args.threads)
     prov = provenance("cpu")
     if not args.skip_kernels:
         krows = kernel_paths(args.kernel_repeats)
         print_table(krows, ["layer", "rows", "path", "us", "speedup_vs_fp32"])
         write_results("quantization_kernels", dict(provenance=prov, rows=krows), args.out)
-    results = [bench_model(m, args) for m in args.models]
+    kv = kv_capacity()
+    results = []
+    for m in args.models:  # written after each model, so a slow second model loses nothing
+        results.append(bench_model(m, args))
+        path = write_results("quantization", dict(provenance=prov, settings=vars(args) | {
+            "out": None}, models=results, kv_cache=kv), args.out)
     for r in results:
         print(f"\n{r['model']}: perplexity of {r['text']}, window {r['window']}")
         print_table(r["rows"], ["format", "weight_bytes", "bytes_vs_fp32", "perplexity",
                                 "ppl_vs_fp32", "greedy_agreement", "tok_s_b1", "b1_vs_fp32",
                                 "tok_s_b32", "b32_vs_fp32"])
-    kv = kv_capacity()
     print()
     print_table(kv, ["model", "kv_cache_dtype", "bytes_per_token", "tokens_per_gib",
                      "tokens_vs_16bit"])
-    path = write_results("quantization", dict(provenance=prov, settings=vars(args) | {
-        "out": None}, models=results, kv_cache=kv), args.out)
     print(f"\nwrote {path}")
 
 
