@@ -119,15 +119,15 @@ def int4_cpu_pack(layer: Any, act: torch.dtype = torch.float32
     (in the activations' dtype ``act``, as the kernel requires). The repacked copy is as large
     as the weight; it lives only on CPU.
     """
-    cached = getattr(layer, "_cpu_int4", None)
-    if cached is None or cached[1].dtype != act:
+    packs = layer.__dict__.setdefault("_cpu_int4", {})  # one per activation dtype
+    cached = packs.get(act)
+    if cached is None:
         codes = unpack_int4(layer.qweight).to(torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         scale = layer.scale.float()
         zero = layer.minimum.float() + 8.0 * scale
         sz = torch.stack([scale.t(), zero.t()], dim=-1).to(act).contiguous()  # [K/g, N, 2]
-        cached = (packed, sz)
-        layer._cpu_int4 = cached
+        cached = packs[act] = (packed, sz)
     return cached
 
 
