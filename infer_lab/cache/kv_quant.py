@@ -29,6 +29,7 @@ import torch
 from infer_lab.cache.paged import PagedKVCache
 from infer_lab.model.config import ModelConfig
 
+# The one list of KV cache dtypes (``EngineConfig`` imports it: the cache never imports the engine).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 

@@ -12,8 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer_lab.cache.kv_quant import KV_CACHE_DTYPES  # the one list; the cache defines it
+
 POLICIES = ("continuous", "static")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
