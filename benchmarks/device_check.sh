@@ -11,7 +11,9 @@
 #   3. chapters     chapters/01..05 at GPU sizes (CHAPTER_GLOB= to change; 06/07 need the server
 #                   stack, which the image lacks). Jupyter is not there, so the code cells of each
 #                   chapter's .md are run in order in one namespace (plots to files, not shown);
-#   4. kernels      python -m benchmarks.kernels: GB/s against the copy ceiling, and eager torch.
+#   4. kernels      python -m benchmarks.kernels: GB/s against the copy ceiling, and eager torch;
+#   5. quant_kernels python -m benchmarks.quantization --gpu-kernels: W8A16/W4A16 GB/s.
+# Limits: 110 + 140 + 150 + 130 + 40 = 570 s (keep the sum at 9.5 minutes when changing one).
 # Output goes to $OUT when set (the device tool brings back at most 8 files: summary.txt, one log
 # per step, kernels.json), else to benchmarks/results/device_check/. Exit status: 0 if all passed.
 # Nothing is installed: infer_lab runs from this tree (PYTHONPATH), everything else is there.
@@ -50,7 +52,7 @@ KERNEL_TESTS="tests/test_kernels_ops.py tests/test_kernels_attention.py tests/te
   tests/test_kernels_dispatch.py"
 # -n only where pytest-xdist is installed (the GPU image may lack it).
 XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n auto" || echo "-p no:xdist")
-step cpu_dry_run 120 env CUDA_VISIBLE_DEVICES= bash -c \
+step cpu_dry_run 110 env CUDA_VISIBLE_DEVICES= bash -c \
   "$PY -m pytest -q $XDIST -p no:cacheprovider $KERNEL_TESTS && \
    $PY -m benchmarks.kernels --cpu-smoke --out /tmp/infer_lab_smoke"
 
@@ -60,7 +62,7 @@ GPU_TESTS=$(grep -l "mark.gpu" tests/test_*.py | tr '\n' ' ')
 step gpu_tests 140 $PY -m pytest -q -m gpu -p no:cacheprovider -rs $GPU_TESTS
 
 if [ "${CHAPTERS:-1}" = 0 ]; then echo "chapters: skipped (CHAPTERS=0)" | tee -a "$RES/summary.txt"; else
-step chapters 180 $PY - <<'PYCODE'
+step chapters 150 $PY - <<'PYCODE'
 """Run each chapter's code cells (from its MyST .md) in order, as Jupyter would."""
 import re, sys, time, traceback
 from pathlib import Path
@@ -87,10 +89,10 @@ sys.exit(bad)
 PYCODE
 fi
 
-step kernels 150 $PY -m benchmarks.kernels --out "$RES"
+step kernels 130 $PY -m benchmarks.kernels --out "$RES"
 # Chapter 8: the W8A16 / W4A16 Triton kernels in GB/s against copy bandwidth (target: the W4A16
 # GEMV at >= 70 %); their correctness on the GPU is in gpu_tests (tests/test_quant_gpu.py).
-step quant_kernels 45 $PY -m benchmarks.quantization --gpu-kernels --out "$RES"
+step quant_kernels 40 $PY -m benchmarks.quantization --gpu-kernels --out "$RES"
 
 echo "overall: $([ $failed -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$RES/summary.txt"
 exit $failed
