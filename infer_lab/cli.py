@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a continuation of a prompt to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="checkpoint directory or hub id "
-                     "(default: the bundled model)")
+    gen.add_argument("--model", default=None, help="a named model (smollm2-135m-instruct, "
+                     "fetched once), a .gguf file or a directory holding one, a checkpoint "
+                     "directory or hub id (default: the bundled model)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=None)
@@ -73,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    srv.add_argument("--model", default=None, help="checkpoint directory or hub id "
-                     "(default: the bundled model)")
+    srv.add_argument("--model", default=None, help="a named model (smollm2-135m-instruct, "
+                     "fetched once), a .gguf file or a directory holding one, a checkpoint "
+                     "directory or hub id (default: the bundled model)")
     srv.add_argument("--served-model-name", default=None, help="the name clients ask for")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     srv.add_argument("--port", type=int, default=8000)
