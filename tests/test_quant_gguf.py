@@ -75,5 +75,13 @@ def test_kept_blocks_give_the_dequantized_logits(qtype, tie, tok_dir, tmp_path):
         # the CPU kernels round activations to bf16 (about 0.4 % per value)
         rel = ((fast - ref).pow(2).mean().sqrt() / ref.std()).item()
         assert rel <= 0.03, rel
+    # il.load(quantization="gguf") reads only the norms and the blocks (no dequantized load
+    # first): the same model, so the same logits bit for bit
+    direct, _ = il.load(path, device="cpu", dtype=torch.float32, quantization="gguf")
+    assert direct.quantization == "gguf"
+    assert model_weight_bytes(direct) == model_weight_bytes(kept)
+    for ids in PROMPTS:
+        x = torch.tensor([ids])
+        assert torch.equal(direct(x), kept(x))
     with pytest.raises(QuantizationError, match="already quantized"):
         keep_gguf_blocks(kept, path)

@@ -415,8 +415,39 @@ def load_quantized(model: str | os.PathLike | None, device: torch.device | str |
                                 "a safetensors checkpoint; use 'int8' or 'int4'")
     f = gguf._File(file)
     tok = gguf._tokenizer(f)
-    m = gguf._load_model(f, device, dtype)
-    return keep_gguf_blocks(m, f), tok
+    return keep_gguf_blocks(_gguf_norms_only(f, device, dtype), f), tok
+
+
+@torch.no_grad()
+def _gguf_norms_only(f: object, device: torch.device | str | None,
+                     dtype: torch.dtype | str | None) -> nn.Module:
+    """The model of GGUF file ``f`` with only its norms read: the blocks replace everything else.
+
+    Dequantizing every matrix first (as the plain load does) only to throw it away cost seconds;
+    the uninitialised linears of ``Transformer.empty`` are never touched and go once replaced.
+    """
+    from infer_lab.device import default_device, resolve_dtype
+    from infer_lab.model import gguf
+    from infer_lab.model.transformer import Transformer
+
+    cfg = gguf._config(f)
+    device = torch.device(device) if device is not None else default_device()
+    model = Transformer.empty(cfg, device, resolve_dtype(dtype, device))
+    params, filled = dict(model.named_parameters()), set()
+    for name, tensor in f.tensors.items():
+        parts = name.removesuffix(".weight").split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in ("attn_norm", "ffn_norm"):
+            ours = f"layers.{parts[1]}.{gguf._LAYER_TENSORS[parts[2]][0]}.weight"
+        elif parts == ["output_norm"]:
+            ours = "norm.weight"
+        else:
+            continue
+        params[ours].copy_(torch.from_numpy(np.array(gguf._dequantize(f, tensor))))
+        filled.add(ours)
+    missing = [n for n in params if "norm" in n and n not in filled]
+    if missing:
+        raise QuantizationError(f"{f.path.name} is missing tensors for: {missing[:8]}")
+    return model.eval().requires_grad_(False)
 
 
 def check_model_quantization(model: object, quantization: str | None) -> None:
