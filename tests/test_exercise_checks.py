@@ -110,3 +110,264 @@ def test_ch06_exercise_3_check_fails_on_wrong_answers(ch6):
             ch6["check_3"](wrong)
     ch6["check_3"](right)
 
+
+# -------------------------------------------------------------------------------- chapter 3
+CH3 = "03_paged_kv_cache"
+
+
+@pytest.fixture(scope="module")
+def ch3() -> dict[str, Any]:
+    """The chapter's check functions, over the long-tail mix and a fresh BlockManager."""
+    from infer_lab.cache import BlockManager
+    from infer_lab.measure import long_tail_mix
+    from infer_lab.utils import cdiv
+
+    namespace: dict[str, Any] = {"BlockManager": BlockManager, "cdiv": cdiv,
+                                 "requests": long_tail_mix()}
+    return run_cells(namespace, cell_with(CH3, "def check_1"))
+
+
+def test_ch03_checks_accept_an_unanswered_exercise(ch3, capsys):
+    ch3["check_1"](None)
+    ch3["check_2"](None)
+    ch3["check_3"](None, None)
+    ch3["check_4"](None)
+    assert capsys.readouterr().out.count("replace None") == 4
+
+
+def test_ch03_checks_fail_on_wrong_answers_and_pass_the_solutions(ch3):
+    from infer_lab.utils import cdiv
+
+    reqs = ch3["requests"]
+    peak = sum(cdiv(r.prompt_len + r.output_len - 1, 16) for r in reqs)
+    with_last = sum(cdiv(r.prompt_len + r.output_len, 16) for r in reqs)  # counts a token more
+    rounded_once = cdiv(sum(r.prompt_len + r.output_len - 1 for r in reqs), 16)
+    assert peak not in (with_last, rounded_once)
+    cases = [
+        ("check_1", (149,), [(9 * 16 + 37,), (2 * 16 + 5,)]),
+        ("check_2", (peak,), [(with_last,), (rounded_once,)]),
+        ("check_3", (256, 70), [(240, 70), (256, 39), (256, 256)]),  # 39: a partial block shared
+        ("check_4", (3,), [(6,), (4,), (0,)]),
+    ]
+    for name, right, wrongs in cases:
+        ch3[name](*right)
+        for wrong in wrongs:
+            with pytest.raises(AssertionError):
+                ch3[name](*wrong)
+
+
+# -------------------------------------------------------------------------------- chapter 5
+CH5 = "05_continuous_batching"
+CH5_LAUNCHES = 300  # a stand-in for the launches the chapter counts in one decode step
+
+
+@pytest.fixture(scope="module")
+def ch5() -> dict[str, Any]:
+    """The chapter's inline schedulers, block keys and check functions, without the model."""
+    from collections import deque
+    from dataclasses import dataclass
+
+    from infer_lab.engine import EngineConfig, KVCacheManager
+    from infer_lab.engine.sequence import Request, Sequence
+    from infer_lab.measure.workloads import long_tail_mix
+    from infer_lab.utils import cdiv
+
+    reqs = long_tail_mix(16)
+    namespace: dict[str, Any] = {
+        "il": il, "deque": deque, "dataclass": dataclass, "cdiv": cdiv, "Request": Request,
+        "Sequence": Sequence, "KVCacheManager": KVCacheManager, "EngineConfig": EngineConfig,
+        "BATCH": 8, "BUDGET": 64, "LONG": 768, "launches": CH5_LAUNCHES,
+        "lengths": [(r.prompt_len, r.output_len) for r in reqs],
+    }
+    return run_cells(namespace, *(definitions(cell_with(CH5, marker)) for marker in (
+        "def static_steps", "def mini_schedule", "def block_keys", "def sequence(",
+        "def check_1")))
+
+
+def scheduler_log(lengths: list[tuple[int, int]], budget: int, blocks: int,
+                  max_seqs: int) -> list[tuple[list[tuple[int, int]], list[int]]]:
+    """The package's ContinuousScheduler driven on ``lengths``, with a stand-in for the forward:
+    each step's [(request, tokens)] and the requests it preempted, as the miniature logs them."""
+    from infer_lab.engine import EngineConfig, KVCacheManager
+    from infer_lab.engine.scheduler import make_scheduler
+    from infer_lab.engine.sequence import Request, Sequence, SequenceStatus
+
+    config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                          num_kv_blocks=blocks, block_size=16, max_model_len=4096,
+                          enable_prefix_caching=False)
+    kv = KVCacheManager(config)
+    scheduler = make_scheduler(config, kv)
+    for i, (p, o) in enumerate(lengths):
+        params = il.SamplingParams(max_tokens=o, ignore_eos=True)
+        request = Request(str(i), None, [3] * p, params, 0.0, frozenset(), forked=True)
+        seq = Sequence(i, request, 0, [3] * p, p)
+        request.seqs.append(seq)
+        scheduler.add(seq)
+    log = []
+    for _ in range(100_000):
+        out = scheduler.schedule()
+        if out.is_empty and not out.preempted:
+            break
+        finished = []
+        for seq, n in zip(out.seqs, out.num_new):
+            seq.num_computed += n
+            if seq.num_computed == seq.num_tokens:
+                seq.token_ids.append(4)
+                if seq.num_output_tokens >= seq.request.params.max_tokens:
+                    seq.status = SequenceStatus.FINISHED
+                    finished.append(seq)
+        scheduler.finish(finished)
+        log.append(([(s.seq_id, n) for s, n in zip(out.seqs, out.num_new)],
+                    [s.seq_id for s in out.preempted]))
+    return log
+
+
+@pytest.mark.parametrize(("budget", "blocks"), [(64, 40), (128, 48), (2048, 40), (32, 200)])
+def test_ch05_mini_scheduler_decides_what_the_package_scheduler_decides(ch5, budget, blocks):
+    lengths = ch5["lengths"]
+    mine = ch5["mini_schedule"](lengths, budget, blocks, max_seqs=8)
+    theirs = scheduler_log(lengths, budget, blocks, max_seqs=8)
+    assert mine == theirs
+    if (budget, blocks) == (64, 40):  # the chapter's squeezed run: both mechanisms happen
+        assert any(p for _, p in mine)
+        assert any(n > 1 for work, _ in mine[5:] for _, n in work)
+
+
+def test_ch05_block_keys_are_the_kv_managers_keys(ch5):
+    seq = ch5["sequence"](0, list(range(37)))
+    kv = ch5["KVCacheManager"](ch5["EngineConfig"](num_kv_blocks=8, block_size=8))
+    kv.allocate_slots(seq, 37)
+    seq.num_computed = 37
+    kv.cache_blocks(seq)
+    assert ch5["block_keys"](list(range(37)), 8) == seq.block_keys
+    assert len(seq.block_keys) == 4
+
+
+def test_ch05_checks_accept_an_unanswered_exercise(ch5, capsys):
+    for k in range(1, 6):
+        ch5[f"check_{k}"](None)
+    assert capsys.readouterr().out.count("replace None") == 5
+
+
+def test_ch05_checks_fail_on_wrong_answers_and_pass_the_solutions(ch5):
+    right_blocks = 8
+    while ch5["mini_preemptions"](right_blocks) > 0:
+        right_blocks += 8
+    cases = [
+        ("check_1", [30] * 16, ([30] + [1] * 7) * 2),
+        ("check_1", [5] * 8 + [9] * 8, [30] + [1] * 15),
+        ("check_2", right_blocks, right_blocks + 8),  # no preemption, but not the least
+        ("check_2", right_blocks, right_blocks - 8),
+        ("check_3", 7, 6),  # ceil(768 / 124), not 768 / 128
+        ("check_4", 2, 3),  # the last token is always computed
+        ("check_5", CH5_LAUNCHES * 4e-3, CH5_LAUNCHES * 4e-6),  # in ms, not s
+    ]
+    for name, right, wrong in cases:
+        ch5[name](right)
+        with pytest.raises(AssertionError):
+            ch5[name](wrong)
+
+
+# -------------------------------------------------------------------------------- chapter 1
+CH1 = "01_where_the_time_goes"
+
+
+def assignment(source: str, name: str) -> str:
+    """Only the top-level statement of a cell that assigns ``name``."""
+    tree = ast.parse(source)
+    tree.body = [node for node in tree.body if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)]
+    assert len(tree.body) == 1, f"{len(tree.body)} assignments to {name}"
+    return ast.unparse(tree)
+
+
+@pytest.fixture(scope="module")
+def ch1() -> dict[str, Any]:
+    """The chapter's checks, with its Llama-3-8B config and SmolLM2's (read from the file's
+    metadata: the checks count, they never run the model)."""
+    from infer_lab.measure import GPUS, step_bytes, step_flops
+    from infer_lab.model.gguf import read_gguf_config
+    from infer_lab.model.registry import fetch
+
+    namespace: dict[str, Any] = {
+        "il": il, "GPUS": GPUS, "step_flops": step_flops, "step_bytes": step_bytes,
+        "big_cfg": read_gguf_config(fetch("smollm2-135m-instruct")),
+    }
+    run_cells(namespace, assignment(cell_with(CH1, "llama3_8b = il.ModelConfig"), "llama3_8b"))
+    return run_cells(namespace, cell_with(CH1, "def check_1"))
+
+
+def test_ch01_checks_accept_an_unanswered_exercise(ch1, capsys):
+    for k in (1, 2, 3):
+        ch1[f"check_{k}"](None)
+    assert capsys.readouterr().out.count("replace None") == 3
+
+
+def test_ch01_checks_fail_on_wrong_answers_and_pass_the_solutions(ch1, capsys):
+    from infer_lab.measure import GPUS
+
+    solutions = run_cells(dict(ch1), *(definitions(cell_with(CH1, f"# Solution {k}."))
+                                       for k in (1, 2, 3)))
+    batch = solutions["saturating_batch"](ch1["llama3_8b"], GPUS["H100-SXM"])
+    intensity = solutions["decode_intensity_16bit"](ch1["big_cfg"])
+    kv = solutions["kv_read_bytes"](ch1["llama3_8b"], 32, 8192)
+    assert 250 < batch < 350  # near the H100's ridge point (~295 FLOP/byte)
+    assert 0.9 < intensity < 1.1  # about one FLOP per 16-bit byte
+    assert kv == 32 * 2**30  # 32 GiB of cache for 32 sequences of 8192 tokens
+    cases = [
+        ("check_1", batch, [1, batch // 2, batch * 2]),  # batch // 2: 4 bytes per weight
+        ("check_2", intensity, [intensity / 2, 2 * intensity]),  # fp32, 1 byte per weight
+        ("check_3", kv, [kv // 2, kv // 32, kv * 2]),  # K only, one sequence, fp32
+    ]
+    for name, right, wrongs in cases:
+        ch1[name](right)
+        for wrong in wrongs:
+            with pytest.raises(AssertionError):
+                ch1[name](wrong)
+    assert capsys.readouterr().out.count("right") == 3
+
+
+# -------------------------------------------------------------------------------- chapter 8
+CH8 = "08_quantization"
+
+
+@pytest.fixture(scope="module")
+def ch8() -> dict[str, Any]:
+    """The chapter's checks, with the bundled model in fp32 (exercise 2 measures its weight)."""
+    import torch
+
+    from infer_lab.cache import PUBLISHED
+    from infer_lab.model.quantize import dequantize_int4, quantize_int4
+
+    tiny, _ = il.load(device="cpu", dtype=torch.float32)
+    namespace: dict[str, Any] = {
+        "torch": torch, "tiny": tiny, "PUBLISHED": PUBLISHED,
+        "quantize_int4": quantize_int4, "dequantize_int4": dequantize_int4,
+    }
+    return run_cells(namespace, cell_with(CH8, "def check_1"))
+
+
+def test_ch08_checks_accept_an_unanswered_exercise(ch8, capsys):
+    for k in (1, 2, 3):
+        ch8[f"check_{k}"](None)
+    assert capsys.readouterr().out.count("replace None") == 3
+
+
+def test_ch08_checks_fail_on_wrong_answers_and_pass_the_solutions(ch8, capsys):
+    solutions = run_cells(dict(ch8), *(cell_with(CH8, f"# Solution {k}.") for k in (1, 2, 3)))
+    assert capsys.readouterr().out.count("right") == 3  # each solution cell runs its check
+    ratio = solutions["symmetric_over_asymmetric"](ch8["tiny"].layers[0].mlp.down_proj.weight)
+    kv = solutions["int4_kv_bytes_per_token"](solutions["PUBLISHED"]["Llama-3-8B"].config)
+    assert 1.3 < ratio < 3  # asymmetric's step is about half the symmetric one
+    assert kv == 2 * 32 * 8 * (128 / 2 + 2)  # Llama-3-8B: 32 layers, 8 KV heads, head_dim 128
+    cases = [  # the wrong answers: codes only, one fp16 per group, groups of 32 ...
+        ("check_1", 4.5, [4, 4.25, 4 + 32 / 32]),
+        ("check_2", ratio, [1.0, 1 / ratio, ratio**2]),  # ... equal, inverted, the MSE ratio
+        ("check_3", kv, [kv / 2, 2 * 32 * 8 * 64, 2 * 32 * 8 * (128 + 2)]),  # K only, no scale,
+    ]  # int8 codes
+    for name, right, wrongs in cases:
+        ch8[name](right)
+        for wrong in wrongs:
+            with pytest.raises(AssertionError):
+                ch8[name](wrong)
+    assert capsys.readouterr().out.count("right") == 3

@@ -21,7 +21,7 @@ from infer_lab.utils import cdiv
 
 
 class Request(Protocol):
-    """Anything with a prompt and an output length (``infer_lab.measure.Request`` fits)."""
+    """Anything with a prompt and an output length (``infer_lab.measure.RequestSpec`` fits)."""
 
     @property
     def prompt_len(self) -> int: ...
