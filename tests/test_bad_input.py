@@ -31,7 +31,7 @@ def copy_of(ckpt, tmp_path):
 
 
 def test_missing_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="is not a directory, a .gguf file or a named"):
         il.load(tmp_path / "no-such-model")
 
 

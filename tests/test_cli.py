@@ -45,7 +45,7 @@ def test_sampling_is_reproducible_with_a_seed(ckpt, capsys):
     [
         (["--temperature", "-1"], 2, "temperature"),
         (["--max-tokens", "0"], 2, "max-tokens"),
-        (["--model", "/nonexistent/model"], 1, "does not exist"),
+        (["--model", "/nonexistent/model"], 1, "is not a directory, a .gguf file or a named"),
     ],
 )
 def test_bad_arguments_give_clear_errors(ckpt, capsys, extra, code, message):

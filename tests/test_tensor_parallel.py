@@ -179,12 +179,12 @@ def test_smollm2_tp3_greedy_equals_one_process() -> None:
     tok = single.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}],
                                        add_generation_prompt=True)
-               for q in ("What is the capital of France?", "Name a colour.")]
-    ref = _engine_run(single, prompts, 12)
+               for q in ("What is the capital of France?",)]
+    ref = _engine_run(single, prompts, 8)
     with il.LLM("smollm2-135m-instruct", device="cpu", dtype="float32",
                 tensor_parallel_size=3) as llm:
         assert llm.engine.model.config.num_attention_heads == 3
-        ours = _engine_run(llm, prompts, 12)
+        ours = _engine_run(llm, prompts, 8)
     for p, a, b in zip(prompts, ours, ref, strict=True):
         assert_greedy_equal(a, b, logits_after(single.model, tok.encode(p)))
 
@@ -244,15 +244,14 @@ def test_serve_with_tensor_parallel_answers_and_stops_cleanly() -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        deadline, ready = time.monotonic() + 300, False
+        while not ready and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read()
             try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
+                ready = httpx.get(f"{base}/health", timeout=1).status_code == 200
             except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+                time.sleep(0.3)
+        assert ready, "the server did not become ready"
         children = _children(proc.pid)
         assert children, "no worker process was started"
         body = {"model": "tiny-kjv", "prompt": "And God said,", "max_tokens": 12,
