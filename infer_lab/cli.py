@@ -27,6 +27,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_object(text: str) -> dict:
+    """A JSON object from the command line (argparse turns the ValueError into a usage error)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
 
@@ -41,6 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_chunked_prefill=not args.no_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=args.speculative_config,
     )
     app = make_app(
         args.model, config=config, served_model_name=args.served_model_name,
@@ -96,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV cache storage: the model's dtype, or 8 bits (about 2x the tokens)")
     srv.add_argument("--no-prefix-caching", action="store_true")
     srv.add_argument("--no-chunked-prefill", action="store_true")
+    srv.add_argument("--speculative-config", type=_json_object, default=None,
+                     help='speculative decoding, e.g. \'{"method": "ngram", '
+                          '"num_speculative_tokens": 4}\' (vLLM\'s names; Chapter 9)')
     srv.add_argument("--tensor-parallel-size", type=int, default=1,
                      help="split the model over N processes (torch.distributed; gloo on CPU)")
     srv.add_argument("--api-key", default=None,

@@ -157,6 +157,18 @@ class BlockPool:
                 if not self.enable_caching and self._key[block] is not None:
                     self._forget(block)
 
+    def return_unwritten(self, blocks: Sequence[int]) -> None:
+        """Give back blocks just taken with :meth:`get_new_blocks` and not kept (speculative
+        decoding's rejected lookahead): each goes to the *front* of the free queue, in the order
+        it was handed out, so the pool hands them out next as if they had never left."""
+        ref, free = self._ref, self._free
+        for block in reversed(blocks):
+            if ref[block] != 1 or self._key[block] is not None:
+                raise ValueError(f"block {block} is shared or named; it cannot be handed back")
+            ref[block] = 0
+            free[block] = None
+            free.move_to_end(block, last=False)
+
     def cache_block(self, block: int, key: BlockKey) -> bool:
         """Name the full, in-use ``block`` by ``key``; False if the key or the block is taken."""
         if not self.enable_caching or self._key[block] is not None or key in self._cached:

@@ -71,6 +71,12 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an integer, got {self.seed!r}")
+        if self.speculative_config is not None:
+            from infer_lab.engine.speculative import SpeculativeConfig
+
+            SpeculativeConfig.parse(self.speculative_config)  # clear errors before any load
+            if self.policy != "continuous":
+                raise ValueError("speculative decoding needs policy='continuous'")
 
     @classmethod
     def from_kwargs(cls, config: EngineConfig | None = None, **kwargs: Any) -> EngineConfig:

@@ -141,6 +141,16 @@ class KVCacheManager:
         seq.num_cached_blocks = 0
         seq.shared_tail = False
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Speculative rollback: keep the blocks ``seq``'s first ``num_tokens`` need, give back
+        the rest (lookahead slots of rejected proposals) to the front of the free queue, so the
+        table and the free blocks are what they would be had the proposals never been written."""
+        keep = cdiv(num_tokens, self.block_size)
+        table = seq.block_table
+        if len(table) > keep:
+            self.pool.return_unwritten(table[keep:])
+            seq.block_table = table[:keep]  # a new list: the runner's copy is no longer a prefix
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks (parallel samples of one prompt)."""
         self.pool.touch(parent.block_table)

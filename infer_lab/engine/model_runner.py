@@ -88,6 +88,7 @@ class ModelRunner:
         ids: list[int] = []
         sampled: list[Sequence] = []
         wants: list[bool] = []
+        spec_rows: dict[int, int] = {}  # chunk -> proposals in it (they all get logits rows)
         for seq, n in zip(out.seqs, out.num_new):
             table, slot = seq.block_table, seq.slot
             if row_tables[slot] is not table:
@@ -100,11 +101,16 @@ class ModelRunner:
             start = seq.num_computed
             starts.append(start)
             rows.append(slot)
+            spec = seq.spec_token_ids
             if n == 1:
                 ids.append(seq.token_ids[start])
+            elif spec:  # speculative: the last real token, then the proposals
+                ids += seq.token_ids[start:]
+                ids += spec
+                spec_rows[len(wants)] = len(spec)
             else:
                 ids += seq.token_ids[start : start + n]
-            complete = start + n == len(seq.token_ids)
+            complete = start + n - len(spec) == len(seq.token_ids)
             wants.append(complete)
             if complete:
                 sampled.append(seq)
@@ -121,6 +127,14 @@ class ModelRunner:
             np.asarray(rows, np.int64), self.config.block_size, self.device,
             None if len(sampled) == len(wants) else np.asarray(wants, bool),
         )
+        if spec_rows:  # logits at every proposed position too, not only the chunk's last
+            ends = np.cumsum(lens)
+            idx: list[int] = []
+            for b, want in enumerate(wants):
+                if want:
+                    k = spec_rows.get(b, 0)
+                    idx += range(int(ends[b]) - 1 - k, int(ends[b]))
+            batch.logits_indices = torch.tensor(idx, dtype=torch.long, device=self.device)
         return batch, sampled
 
     # ------------------------------------------------------------------ forward

@@ -48,6 +48,22 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Speculative decoding, summed over the request's samples: verifications that carried
+    # proposals, tokens proposed, tokens of those the model accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        n = self.spec_num_draft_tokens
+        return self.spec_num_accepted_tokens / n if n else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens per verification step: accepted proposals plus the model's own token."""
+        n = self.spec_num_drafts
+        return 1 + self.spec_num_accepted_tokens / n if n else None
 
     @property
     def ttft(self) -> float | None:

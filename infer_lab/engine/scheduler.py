@@ -143,6 +143,9 @@ class ContinuousScheduler(Scheduler):
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         super().__init__(config, kv)
         self._watermark = int(WATERMARK * kv.num_blocks)
+        # Speculative decoding: lookahead slots a decoding sequence may get this step (the
+        # engine sets it per step; 0: none). They count against the token budget.
+        self.num_lookahead = 0
 
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -152,6 +155,12 @@ class ContinuousScheduler(Scheduler):
         while i < len(running) and budget > 0:
             seq = running[i]
             n = min(len(seq.token_ids) - seq.num_computed, budget)
+            if self.num_lookahead and self._lookahead(seq, n, budget):
+                seqs.append(seq)
+                num_new.append(1 + seq.spec_slots)
+                budget -= 1 + seq.spec_slots
+                i += 1
+                continue
             room = seq.num_computed + n <= len(seq.block_table) * bs and not seq.shared_tail
             while not room and not kv.allocate_slots(seq, n):
                 victim = running.pop()  # the newest running sequence
@@ -188,6 +197,19 @@ class ContinuousScheduler(Scheduler):
             num_new.append(n)
             budget -= n
         return out
+
+    def _lookahead(self, seq: Sequence, n: int, budget: int) -> bool:
+        """Give a decoding sequence room for its next token plus up to ``num_lookahead``
+        proposals (never past ``max_tokens``); False, changing nothing, if it gets none."""
+        request = seq.request
+        if n != 1 or seq.num_output_tokens == 0 or not request.may_speculate:
+            return False
+        left = request.params.max_tokens - seq.num_output_tokens - 1
+        k = min(self.num_lookahead, budget - 1, left)
+        if k <= 0 or not self.kv.allocate_slots(seq, 1 + k):
+            return False  # no proposals this step (never preempt another sequence for them)
+        seq.spec_slots = k
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the K/V, keep the tokens, queue at the front."""

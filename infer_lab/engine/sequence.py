@@ -57,6 +57,14 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per output token, if the request asked
+    # Speculative decoding: lookahead slots the scheduler granted this step, the proposals the
+    # engine put in them, how far a draft model's own cache is filled, and the counts.
+    spec_slots: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_computed: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0  # verification forwards that carried proposals
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +99,12 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    @property
+    def may_speculate(self) -> bool:
+        """Whether proposals may be verified for this request: one sample, and no constrained
+        (structured) output, whose matcher must see every token before the next is chosen."""
+        return self.params.n == 1 and not getattr(self.params, "structured_outputs", None)
 
     @property
     def is_finished(self) -> bool:

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from infer_lab.engine.engine import EngineStats
+    from infer_lab.engine.structured import StructuredStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                     0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -47,6 +48,16 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Sequences preempted for KV space.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found cached.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications carrying proposals.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                     "Proposed tokens the model accepted.")
+        self.structured = (
+            counter("structured_requests", "Requests with an output constraint."),
+            counter("structured_compile_seconds", "Time compiling grammars (cache misses)."),
+            counter("structured_mask_seconds", "Time filling and applying token masks."),
+            counter("structured_mask_rows", "Token masks applied (one per constrained row)."))
+        self._structured_seen = (0, 0.0, 0.0, 0)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
@@ -58,16 +69,18 @@ class ServerMetrics:
         for metric in (self.running, self.waiting, self.kv_used, self.kv_usage,
                        self.prompt_tokens, self.generation_tokens, self.requests_ok,
                        self.requests_aborted, self.requests_failed, self.preemptions,
-                       self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e,
-                       *(self.vllm or ())):
+                       self.prefix_queries, self.prefix_hits, self.spec_drafts,
+                       self.spec_draft_tokens, self.spec_accepted, self.ttft, self.itl, self.e2e,
+                       *self.structured, *(self.vllm or ())):
             self.labels(metric)  # export every series from the start, at zero
 
     def labels(self, metric):  # noqa: ANN001, ANN201 - prometheus metric types
         return metric.labels(model_name=self.model)
 
-    def update(self, stats: EngineStats, seen: tuple[int, int, int]) -> tuple[int, int, int]:
+    def update(self, stats: EngineStats, seen: tuple[int, ...]) -> tuple[int, ...]:
         """Set the gauges from ``stats``; advance the counters by what grew since ``seen``
-        (the engine's totals of preemptions, prefix queries, prefix hits); returns the totals."""
+        (the engine's totals of preemptions, prefix queries, prefix hits and the speculative
+        decoding counts); returns the totals."""
         usage = stats.num_kv_blocks_used / max(1, stats.num_kv_blocks_total)
         self.labels(self.running).set(stats.num_running)
         self.labels(self.waiting).set(stats.num_waiting)
@@ -76,9 +89,23 @@ class ServerMetrics:
         if self.vllm is not None:
             for gauge, value in zip(self.vllm, (stats.num_waiting, stats.num_running, usage)):
                 self.labels(gauge).set(value)
-        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
+        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
+                  stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                  stats.spec_num_accepted_tokens)
+        seen = tuple(seen) + (0,) * (len(totals) - len(seen))
         for counter, now, before in zip((self.preemptions, self.prefix_queries,
-                                         self.prefix_hits), totals, seen):
+                                         self.prefix_hits, self.spec_drafts,
+                                         self.spec_draft_tokens, self.spec_accepted),
+                                        totals, seen):
             if now > before:
                 self.labels(counter).inc(now - before)
         return totals
+
+    def update_structured(self, stats: StructuredStats) -> None:
+        """Advance the constrained-decoding counters to the engine's totals."""
+        totals = (stats.constrained_requests, stats.compile_seconds, stats.mask_seconds,
+                  stats.mask_rows)
+        for counter, now, before in zip(self.structured, totals, self._structured_seen):
+            if now > before:
+                self.labels(counter).inc(now - before)
+        self._structured_seen = totals
