@@ -220,10 +220,13 @@ def test_health_reports_a_dead_engine():
     ("/v1/completions", {"suffix": " and the end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    # tools work with tool_choice "required" or a named function (issue 19); "auto", the
+    # default with tools, is refused by name
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
+     "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},

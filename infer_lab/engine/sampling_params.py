@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from infer_lab.engine.structured import StructuredOutputsParams
+
 # A temperature below this is greedy: dividing float32 logits by it overflows or underflows
 # (1e-40 is subnormal in float32, 1e-46 is 0), and the argmax is what it means anyway. vLLM uses
 # the same epsilon.
@@ -49,6 +51,9 @@ class SamplingParams:
       ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_LEN`` characters);
       ``stop_token_ids``: extra token ids that end it; ``ignore_eos``: keep going past EOS.
     - ``detokenize``: build the text (off only for measuring the engine without the tokenizer).
+    - ``structured_outputs``: a :class:`~infer_lab.engine.structured.StructuredOutputsParams`
+      (JSON Schema, JSON object, regex, choice or grammar): every token is chosen among those
+      that keep the output valid (constrained decoding; no speculation for such a request).
     """
 
     n: int = 1
@@ -65,6 +70,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     max_stop_len: int = field(init=False, repr=False)  # text a stream holds back
 
@@ -99,6 +105,10 @@ class SamplingParams:
         for name in ("ignore_eos", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("structured_outputs must be StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
         self.stop_strings = _stop_strings(self.stop)
         self.max_stop_len = max((len(s) for s in self.stop_strings), default=0)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
@@ -114,6 +124,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.structured_outputs is not None
 
     @property
     def has_penalties(self) -> bool:

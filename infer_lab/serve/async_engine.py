@@ -245,6 +245,7 @@ class AsyncEngine:
         if self.metrics:
             stats = self.engine.get_stats()
             self._seen_stats = self.metrics.update(stats, self._seen_stats)
+            self.metrics.update_structured(self.engine.structured.stats)
 
     def _observe(self, out: RequestOutput) -> None:
         m = self.metrics

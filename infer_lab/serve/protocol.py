@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from infer_lab.engine.structured import StructuredOutputsParams
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
@@ -72,6 +74,24 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = Field(default=None, ge=1, le=64)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output constraint ``response_format`` (OpenAI) or ``structured_outputs``
+        (vLLM) asks for; ``UnsupportedField`` for a shape we do not know."""
+        if self.structured_outputs is not None:
+            if self.response_format and self.response_format.get("type") != "text":
+                raise UnsupportedField("structured_outputs", "give it or response_format, "
+                                       "not both")
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except TypeError:
+                raise UnsupportedField("structured_outputs", "its keys are json, json_object, "
+                                       "regex, choice, grammar, whitespace") from None
+            except ValueError as e:
+                raise UnsupportedField("structured_outputs", str(e)) from None
+        return response_format_constraint(self.response_format)
 
     @field_validator("stop")
     @classmethod
@@ -176,19 +196,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.tools or self.functions:
-            raise UnsupportedField("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise UnsupportedField("tool_choice", "tool calling is not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise UnsupportedField("response_format", "only {'type': 'text'} is supported")
+        if self.functions or self.function_call not in (None, "none"):
+            raise UnsupportedField("functions", "the legacy functions API is not supported: "
+                                   "use tools")
         if self.prediction:
             raise UnsupportedField("prediction", "predicted outputs are not supported")
         if self.audio or (self.modalities and self.modalities != ["text"]):
@@ -201,6 +217,27 @@ class ChatCompletionRequest(SamplingFields):
                     raise UnsupportedField(f"messages[{i}].content[{j}]",
                                            f"content parts of type {part.type!r} are not "
                                            "supported (text only)")
+
+
+def response_format_constraint(fmt: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format``: text (no constraint), ``json_object`` or ``json_schema``
+    (``{"json_schema": {"name": ..., "schema": {...}, "strict": ...}}``)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise UnsupportedField("response_format", f"type {kind!r} is not supported (text, "
+                               "json_object, json_schema)")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+        raise UnsupportedField("response_format", "json_schema needs an object with a "
+                               "'schema' object")
+    try:  # strict or not, the output follows the schema: constrained decoding is strict
+        return StructuredOutputsParams(json=spec.get("schema", {}))
+    except ValueError as e:
+        raise UnsupportedField("response_format", str(e)) from None
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -27,6 +27,15 @@ class Shape:
     token_ids: bool = False  # render tokens as "token_id:N" (vLLM's return_tokens_as_token_ids)
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per choice
+    tools: Any = None  # a ToolPlan: the output is a tool call
+
+    def tool_message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """A chat message (and finish reason) for ``c`` as a tool call: complete only if the
+        grammar finished (``stop``); cut off by ``length``, it is returned as text."""
+        if c.finish_reason != "stop":
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        call = self.tools.call(c.text, f"call_{self.request_id[-24:]}_{c.index}")
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
     @property
     def object(self) -> str:
@@ -87,7 +96,11 @@ def full_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
     choices = []
     for c in out.outputs:
         lp = logprobs_of(shape, c.index, getattr(c, "logprobs", None))
-        if shape.chat:
+        if shape.chat and shape.tools is not None:
+            message, reason = shape.tool_message(c)
+            choice = {"index": c.index, "message": message, "logprobs": lp,
+                      "finish_reason": reason}
+        elif shape.chat:
             choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
                       "logprobs": lp, "finish_reason": c.finish_reason}
         else:
@@ -100,6 +113,16 @@ def full_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
 def chunk_choice(shape: Shape, c: CompletionOutput, first: bool) -> dict[str, Any]:
     """One choice of a streamed chunk: this step's text (and role, in a chat's first chunk)."""
     lp = logprobs_of(shape, c.index, getattr(c, "delta_logprobs", None))
+    if shape.chat and shape.tools is not None:  # the call is sent whole, when it is complete
+        delta = {"role": "assistant"} if first else {}
+        reason = c.finish_reason
+        if reason is not None:
+            message, reason = shape.tool_message(c)
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": 0, **message["tool_calls"][0]}]
+            else:
+                delta["content"] = message["content"]
+        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
     if shape.chat:
         delta: dict[str, Any] = {"content": c.delta_text}
         if first:

@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from infer_lab.engine import RequestOutput, SamplingParams
+from infer_lab.engine.structured import StructuredOutputError, StructuredOutputsParams
 from infer_lab.serve.async_engine import RequestFailed
 from infer_lab.serve.errors import APIError, unavailable
 from infer_lab.serve.protocol import (
@@ -39,6 +40,7 @@ from infer_lab.serve.responses import (
     usage_of,
 )
 from infer_lab.serve.state import ServerState, server_state
+from infer_lab.serve.tools import tool_plan
 
 log = logging.getLogger("infer_lab.serve")
 router = APIRouter()
@@ -108,9 +110,11 @@ async def completions(request: Request, server: Server) -> Any:
     body = await parse_body(request, server, CompletionRequest)
     check_request(server, body)
     prompt = single_prompt(body.prompt)
+    constraint = refuse_unsupported(body.constraint)
     server.engine.check_admission()  # cheap: refuse before tokenizing when already full
     ids = await server.encode(prompt) if isinstance(prompt, str) else prompt
-    params = sampling_params(body, body.max_tokens or 16, body.logprobs)
+    await compile_constraint(server, constraint, "response_format")
+    params = sampling_params(body, body.max_tokens or 16, body.logprobs, constraint)
     shape = Shape(new_id("cmpl"), False, server.model_name, server.tokenizer, body.logprobs,
                   include_usage(body), body.return_tokens_as_token_ids)
     return await run(request, server, shape, ids, params, body.stream)
@@ -120,18 +124,45 @@ async def completions(request: Request, server: Server) -> Any:
 async def chat(request: Request, server: Server) -> Any:
     body = await parse_body(request, server, ChatCompletionRequest)
     check_request(server, body)
+    plan = refuse_unsupported(lambda: tool_plan(body))
+    constraint = plan.constraint if plan else refuse_unsupported(body.constraint)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    if plan:
+        messages = plan.with_system(messages)
     server.engine.check_admission()
     try:
         ids = await server.encode_chat(messages)
     except ValueError as e:  # no template, or the template refused the conversation
         raise APIError(400, str(e), param="messages") from e
+    await compile_constraint(server, constraint, "tools" if plan else "response_format")
     wanted = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, wanted or max(1, server.context - len(ids)), top)
+    params = sampling_params(body, wanted or max(1, server.context - len(ids)), top, constraint)
     shape = Shape(new_id("chatcmpl"), True, server.model_name, server.tokenizer, top,
-                  include_usage(body), body.return_tokens_as_token_ids)
+                  include_usage(body), body.return_tokens_as_token_ids, tools=plan)
     return await run(request, server, shape, ids, params, body.stream)
+
+
+def refuse_unsupported(make: Callable[[], Any]) -> Any:
+    """``make()``, with an ``UnsupportedField`` it raises as a 400 naming the field."""
+    try:
+        return make()
+    except UnsupportedField as e:
+        raise APIError(400, str(e), param=e.field, code="unsupported_field") from e
+
+
+async def compile_constraint(server: ServerState, constraint: StructuredOutputsParams | None,
+                             param: str) -> None:
+    """Compile the constraint in a worker thread (the engine then finds it cached), so that
+    neither the event loop nor the engine loop waits for it; a 400 if it cannot compile."""
+    if constraint is None:
+        return
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.run_in_executor(server.pool, server.engine.engine.structured.compile,
+                                   constraint)
+    except StructuredOutputError as e:
+        raise APIError(400, str(e), param=param, code="invalid_schema") from e
 
 
 def check_request(server: ServerState, body: SamplingFields) -> None:
@@ -158,10 +189,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
+                    constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's parameters; only non-neutral extras are passed (an engine without penalties
     or logprobs then refuses exactly the requests that need them)."""
     extra: dict[str, Any] = {}
+    if constraint is not None:
+        extra["structured_outputs"] = constraint
     if logprobs is not None:
         extra["logprobs"] = logprobs
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
