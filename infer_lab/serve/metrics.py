@@ -48,6 +48,10 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Sequences preempted for KV space.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found cached.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications carrying proposals.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                     "Proposed tokens the model accepted.")
         self.structured = (
             counter("structured_requests", "Requests with an output constraint."),
             counter("structured_compile_seconds", "Time compiling grammars (cache misses)."),
@@ -65,16 +69,18 @@ class ServerMetrics:
         for metric in (self.running, self.waiting, self.kv_used, self.kv_usage,
                        self.prompt_tokens, self.generation_tokens, self.requests_ok,
                        self.requests_aborted, self.requests_failed, self.preemptions,
-                       self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e,
+                       self.prefix_queries, self.prefix_hits, self.spec_drafts,
+                       self.spec_draft_tokens, self.spec_accepted, self.ttft, self.itl, self.e2e,
                        *self.structured, *(self.vllm or ())):
             self.labels(metric)  # export every series from the start, at zero
 
     def labels(self, metric):  # noqa: ANN001, ANN201 - prometheus metric types
         return metric.labels(model_name=self.model)
 
-    def update(self, stats: EngineStats, seen: tuple[int, int, int]) -> tuple[int, int, int]:
+    def update(self, stats: EngineStats, seen: tuple[int, ...]) -> tuple[int, ...]:
         """Set the gauges from ``stats``; advance the counters by what grew since ``seen``
-        (the engine's totals of preemptions, prefix queries, prefix hits); returns the totals."""
+        (the engine's totals of preemptions, prefix queries, prefix hits and the speculative
+        decoding counts); returns the totals."""
         usage = stats.num_kv_blocks_used / max(1, stats.num_kv_blocks_total)
         self.labels(self.running).set(stats.num_running)
         self.labels(self.waiting).set(stats.num_waiting)
@@ -83,9 +89,14 @@ class ServerMetrics:
         if self.vllm is not None:
             for gauge, value in zip(self.vllm, (stats.num_waiting, stats.num_running, usage)):
                 self.labels(gauge).set(value)
-        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
+        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
+                  stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                  stats.spec_num_accepted_tokens)
+        seen = tuple(seen) + (0,) * (len(totals) - len(seen))
         for counter, now, before in zip((self.preemptions, self.prefix_queries,
-                                         self.prefix_hits), totals, seen):
+                                         self.prefix_hits, self.spec_drafts,
+                                         self.spec_draft_tokens, self.spec_accepted),
+                                        totals, seen):
             if now > before:
                 self.labels(counter).inc(now - before)
         return totals
