@@ -32,6 +32,7 @@ from infer_lab.engine.sampler import Sampler
 from infer_lab.engine.sampling_params import SamplingParams
 from infer_lab.engine.scheduler import make_scheduler
 from infer_lab.engine.sequence import Request, Sequence, SequenceStatus
+from infer_lab.engine.speculative import SpeculativeConfig, accepted_prefix, make_proposer
 from infer_lab.engine.stop import StopMatcher
 from infer_lab.engine.structured import StructuredOutputs
 from infer_lab.model.generate import stop_token_ids
@@ -57,6 +58,23 @@ class EngineStats:
     prefix_cache_hits: int  # of which found cached
     num_steps: int
     num_failed_requests: int = 0  # requests the engine finished with finish_reason "error"
+    # Speculative decoding (vLLM's spec_decode names): verification forwards that carried
+    # proposals for a sequence, tokens proposed, and of those accepted by the target.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens (None before any proposal)."""
+        n = self.spec_num_draft_tokens
+        return self.spec_num_accepted_tokens / n if n else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens gained per verification: accepted proposals plus the target's own token."""
+        n = self.spec_num_drafts
+        return 1 + self.spec_num_accepted_tokens / n if n else None
 
 
 @dataclass
@@ -115,6 +133,12 @@ class LLMEngine:
         self.kv = KVCacheManager(self.config)
         self.scheduler = make_scheduler(self.config, self.kv)
         self.runner = ModelRunner(model, self.config)
+        self.spec: SpeculativeConfig | None = None
+        self.proposer = None
+        if self.config.speculative_config is not None:
+            self.spec = SpeculativeConfig.parse(self.config.speculative_config)
+            self.proposer = make_proposer(self.spec, model, self.config)
+        self.spec_counts = [0, 0, 0]  # drafts, draft tokens, accepted tokens
         gen = torch.Generator(device=model.device)
         gen.manual_seed(self.config.seed)
         self.sampler = Sampler(gen)
@@ -247,6 +271,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
             num_steps=self.num_steps, num_failed_requests=self.num_failed_requests,
+            spec_num_drafts=self.spec_counts[0], spec_num_draft_tokens=self.spec_counts[1],
+            spec_num_accepted_tokens=self.spec_counts[2],
         )
 
     # ------------------------------------------------------------------ the step
@@ -260,13 +286,16 @@ class LLMEngine:
         belongs to no single request, propagates.
         """
         start = time.perf_counter()
+        if self.spec is not None:
+            self.scheduler.num_lookahead = self._lookahead()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         record = self._record(out, start) if self.config.log_steps else None
+        speculating = self.spec is not None and self._propose(out)
         logits, sampled = self.runner.execute(out)
         for seq, n in zip(out.seqs, out.num_new):
-            seq.num_computed += n
+            seq.num_computed += n - len(seq.spec_token_ids)
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = start
         if self.kv.enable_prefix_caching:
@@ -275,20 +304,31 @@ class LLMEngine:
         if any(not s.request.forked for s in sampled):
             logits, sampled = self._fork(logits, sampled)
         failed: dict[Request, str] = {}
-        tokens = self._sample(logits, sampled, failed) if sampled else []
-        logprobs = self._logprobs(logits, sampled, tokens, failed)
+        if speculating:
+            rows, prefixes, states = self._spec_rows(sampled)
+        else:
+            rows, prefixes, states = sampled, None, {}
+        tokens = self._sample(logits, rows, failed, prefixes) if sampled else []
+        logprobs = self._logprobs(logits, rows, tokens, failed)
+        runs = (self._accept(sampled, tokens, logprobs, states) if speculating
+                else [[tl] for tl in zip(tokens, logprobs)])
         now = time.perf_counter()
         finished = []
-        for seq, token, lp in zip(sampled, tokens, logprobs):
+        for seq, run in zip(sampled, runs):
             if seq.request in failed:
                 continue
             try:
-                self._append(seq, token, now, lp)
+                for token, lp in run:
+                    self._append(seq, token, now, lp)
+                    if seq.is_finished:
+                        break
             except Exception as e:
                 failed[seq.request] = self._describe(seq.request, "its new token", e)
                 continue
             if seq.is_finished:
                 finished.append(seq)
+        if speculating:
+            self._rollback(out)
         self.scheduler.finish(finished)
         self.num_steps += 1
         outputs = []
@@ -310,9 +350,9 @@ class LLMEngine:
 
     def _fork(self, logits: torch.Tensor, sampled: list[Sequence]):
         """Parallel samples: a request whose prompt was just prefilled becomes n sequences."""
-        rows, seqs = [], []
-        for i, seq in enumerate(sampled):
-            rows.append(i)
+        rows, seqs, r = [], [], 0
+        for seq in sampled:
+            rows += range(r, r + 1 + len(seq.spec_token_ids))  # a speculating sequence's rows
             seqs.append(seq)
             request = seq.request
             if not request.forked:
@@ -320,19 +360,26 @@ class LLMEngine:
                             for k in range(1, request.params.n)]
                 self.scheduler.add_forked(seq, children)
                 request.seqs += children
-                rows += [i] * len(children)
+                rows += [r] * len(children)
                 seqs += children
+            r += 1 + len(seq.spec_token_ids)
         return logits[rows], seqs
 
     # ------------------------------------------------------------------ per request, isolated
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence],
-                failed: dict[Request, str]) -> list[int]:
-        """One token per row; if the batched call raises, row by row, failing only bad rows."""
+                failed: dict[Request, str], prefixes: list[list[int]] | None = None) -> list[int]:
+        """One token per row; if the batched call raises, row by row, failing only bad rows.
+
+        ``prefixes`` (speculation): the proposals before each row's position, which count as
+        output for the penalties of that row.
+        """
         params = [s.request.params for s in sampled]
         gens = [s.generator for s in sampled]
         penalised = any(p.has_penalties for p in params)
         prompts = [s.token_ids[: s.num_prompt_tokens] for s in sampled] if penalised else None
         outs = [s.output_token_ids for s in sampled] if penalised else None
+        if outs is not None and prefixes is not None:
+            outs = [o + p for o, p in zip(outs, prefixes)]
         logits = self.structured.mask_logits(logits, sampled)  # constrained rows only
         try:
             return self.sampler(logits, params, gens, prompts, outs)
@@ -375,6 +422,91 @@ class LLMEngine:
                                    list(zip(top_ids[r][:want], top_lp[r][:want])))
         return out
 
+    # ------------------------------------------------------------------ speculative decoding
+    def _lookahead(self) -> int:
+        """Proposals per sequence this step: k, or 0 above ``disable_by_batch_size``."""
+        limit = self.spec.disable_by_batch_size
+        if limit is not None and self.scheduler.num_running + self.scheduler.num_waiting >= limit:
+            return 0
+        return self.spec.num_speculative_tokens
+
+    def _propose(self, out) -> bool:
+        """Fill the lookahead slots the scheduler granted; False if nothing was proposed."""
+        ks = [s.spec_slots for s in out.seqs]
+        if not any(ks):
+            return False
+        drafts = self.proposer.propose(out.seqs, ks, out)
+        proposed = False
+        for i, (seq, k, d) in enumerate(zip(out.seqs, ks, drafts)):
+            if not k:
+                continue
+            if self.structured.is_attached(seq):
+                d = []  # constrained: proposals are not checked against the grammar
+            if d:
+                seq.spec_token_ids = d[:k]
+                out.num_new[i] = 1 + len(seq.spec_token_ids)
+                proposed = True
+            else:  # nothing to verify: the lookahead slots go back before the forward
+                seq.spec_slots, out.num_new[i] = 0, 1
+                self.kv.trim(seq, seq.num_computed + 1)
+        return proposed
+
+    def _spec_rows(self, sampled: list[Sequence]):
+        """One row per position to score: each sequence's last token and its proposals."""
+        rows, prefixes, states = [], [], {}
+        for seq in sampled:
+            spec = seq.spec_token_ids
+            for j in range(len(spec) + 1):
+                rows.append(seq)
+                prefixes.append(spec[:j])
+            if spec and seq.generator is not None and not seq.request.params.greedy:
+                states[seq] = seq.generator.get_state()  # rewound once we know what is kept
+        return rows, prefixes, states
+
+    def _accept(self, sampled, tokens, logprobs, states) -> list[list[tuple]]:
+        """Per sequence, the run of tokens kept: the target's own token at each position,
+        up to and including the first one that differs from the proposal."""
+        runs, r = [], 0
+        vocab = self.model.config.vocab_size
+        for seq in sampled:
+            spec = seq.spec_token_ids
+            m = len(spec) + 1
+            if not spec:
+                runs.append([(tokens[r], logprobs[r])])
+                r += 1
+                continue
+            kept = accepted_prefix(spec, tokens[r : r + m])
+            runs.append(list(zip(kept, logprobs[r : r + len(kept)])))
+            r += m
+            gen = seq.generator
+            if seq in states:  # as many draws as tokens kept, as without speculation
+                gen.set_state(states[seq])
+                for _ in kept:
+                    torch.empty(vocab, device=self.model.device).exponential_(generator=gen)
+            accepted = len(kept) - 1
+            seq.spec_steps += 1
+            seq.spec_proposed += len(spec)
+            seq.spec_accepted += accepted
+            self.spec_counts[0] += 1
+            self.spec_counts[1] += len(spec)
+            self.spec_counts[2] += accepted
+        return runs
+
+    def _rollback(self, out) -> None:
+        """After verification: the KV of the kept tokens counts as computed; the slots of
+        rejected proposals go back to the pool; the proposals are cleared."""
+        for seq in out.seqs:
+            if not seq.spec_slots:
+                continue
+            seq.spec_slots, seq.spec_token_ids = 0, []
+            if seq.is_finished or seq.status is not SequenceStatus.RUNNING:
+                continue  # its blocks go back whole (finished, or failed and aborted)
+            # the last real token and every kept token but the newest have their K/V now
+            seq.num_computed = seq.num_tokens - 1
+            seq.draft_computed = min(seq.draft_computed, seq.num_computed)
+            self.kv.trim(seq, seq.num_computed)
+            self.kv.cache_blocks(seq)
+
     def _describe(self, request: Request, stage: str, error: Exception) -> str:
         log.warning("request %s failed alone in %s", request.request_id, stage, exc_info=error)
         text = f"{type(error).__name__}: {error}"
@@ -398,7 +530,10 @@ class LLMEngine:
                 None if seq.logprobs is None else seq.logprobs[: seq.emitted_tokens], [],
             ))
         metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
-                                 request.first_token_time, request.finish_time)
+                                 request.first_token_time, request.finish_time,
+                                 sum(s.spec_steps for s in request.seqs),
+                                 sum(s.spec_proposed for s in request.seqs),
+                                 sum(s.spec_accepted for s in request.seqs))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, True, metrics, message)
 
@@ -464,7 +599,10 @@ class LLMEngine:
                 None if lps is None else list(lps), delta_lps,
             ))
         metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
-                                 request.first_token_time, request.finish_time)
+                                 request.first_token_time, request.finish_time,
+                                 sum(s.spec_steps for s in request.seqs),
+                                 sum(s.spec_proposed for s in request.seqs),
+                                 sum(s.spec_accepted for s in request.seqs))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.is_finished, metrics)
 
