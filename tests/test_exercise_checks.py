@@ -371,3 +371,71 @@ def test_ch08_checks_fail_on_wrong_answers_and_pass_the_solutions(ch8, capsys):
             with pytest.raises(AssertionError):
                 ch8[name](wrong)
     assert capsys.readouterr().out.count("right") == 3
+
+
+# -------------------------------------------------------------------------------- chapter 2
+CH2 = "02_kv_cache"
+
+
+@pytest.fixture(scope="module")
+def ch2() -> dict[str, Any]:
+    """The chapter's SimpleKVCache, its cached loop and the check functions."""
+    import torch
+    import torch.nn.functional as F
+
+    from infer_lab.cache import PUBLISHED, kv_bytes_per_token, model_kv_cache_bytes, plan_memory
+    from infer_lab.measure import GPUS
+    from infer_lab.model.generate import stream_naive
+
+    namespace: dict[str, Any] = {
+        "torch": torch, "F": F, "PUBLISHED": PUBLISHED, "GPUS": GPUS,
+        "kv_bytes_per_token": kv_bytes_per_token, "model_kv_cache_bytes": model_kv_cache_bytes,
+        "plan_memory": plan_memory, "stream_naive": stream_naive,
+    }
+    return run_cells(namespace, cell_with(CH2, "class SimpleKVCache"),
+                     cell_with(CH2, "def stream_cached"), cell_with(CH2, "def check_1"))
+
+
+def test_ch02_checks_accept_an_unanswered_exercise(ch2, capsys):
+    for n in (1, 2, 3, 4):
+        ch2[f"check_{n}"](None)
+    assert capsys.readouterr().out.count("replace None") == 4
+
+
+def test_ch02_checks_fail_on_wrong_answers_and_pass_the_solutions(ch2):
+    from infer_lab.cache import PUBLISHED, kv_bytes_per_token, plan_memory
+    from infer_lab.measure import GPUS
+
+    gib = 2 * 28 * 4 * 128 * 32768 * 8 * 2 / 2**30
+    c = PUBLISHED["Llama-2-7B"].config
+    tokens = c.num_parameters() * 2 / kv_bytes_per_token(c, 2)
+    h200 = PUBLISHED["Llama-3-70B"].config
+    batch = plan_memory(int(GPUS["H200-SXM"].memory_gb * 2**30), h200, 0.5, 1).max_batch(8192)
+    decimal = plan_memory(int(GPUS["H200-SXM"].memory_gb * 1e9), h200, 0.5, 1).max_batch(8192)
+    assert decimal != batch  # GB read as 10^9 bytes gives a different (wrong) answer
+    cases = [
+        ("check_1", gib, [gib / 2, gib * 2, gib * 1e9 / 2**30]),  # one K/V, fp32, decimal GB
+        ("check_2", tokens, [tokens / 2, tokens * 2]),
+        ("check_3", batch, [decimal, batch * 2, batch + 1]),
+    ]
+    for name, right, wrongs in cases:
+        ch2[name](right)
+        for wrong in wrongs:
+            with pytest.raises(AssertionError):
+                ch2[name](wrong)
+    for marker in ("# Solution 1.", "# Solution 2.", "# Solution 3."):
+        run_cells(dict(ch2), cell_with(CH2, marker))  # each solution passes its check
+
+
+def test_ch02_exercise_4_check_fails_on_a_cache_that_ignores_the_window(ch2):
+    with pytest.raises(AssertionError):
+        ch2["check_4"](ch2["SimpleKVCache"])  # full attention: the window of 8 is ignored
+
+    solution = run_cells(dict(ch2), cell_with(CH2, "# Solution 4."))  # runs check_4 itself
+
+    class OffByOne(solution["WindowedKVCache"]):
+        def attend(self, layer, q, k, v, window):
+            return super().attend(layer, q, k, v, None if window is None else window + 1)
+
+    with pytest.raises(AssertionError):
+        ch2["check_4"](OffByOne)

@@ -231,3 +231,14 @@ def test_context_backend_keyword_and_default():
     for out, kv in outs[1:]:
         torch.testing.assert_close(out, outs[0][0], rtol=1e-5, atol=1e-5)
         assert torch.equal(kv, outs[0][1])
+
+
+def test_auto_splits_for_a_named_sm_count_fills_the_gpu_within_the_cap() -> None:
+    from infer_lab.kernels.triton_attention import MAX_SPLITS, auto_splits
+
+    assert auto_splits(64, 8, num_sms=132) == 1  # 512 programs: the grid is full already
+    assert auto_splits(16, 8, num_sms=132) == 5  # 128 programs -> ceil(528 / 128)
+    assert auto_splits(4, 8, num_sms=132) == 17  # 32 programs -> ceil(528 / 32)
+    assert auto_splits(1, 8, num_sms=132) == MAX_SPLITS == 64  # 66 wanted, capped
+    with pytest.raises(ValueError, match="positive"):
+        auto_splits(0, 8, num_sms=132)

@@ -283,14 +283,25 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def auto_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
+MAX_SPLITS = 64  # partitions per context at most (the reduction's tile, the compiled shapes)
+
+
+def auto_splits(num_seqs: int, kv_heads: int, device: torch.device | None = None, *,
+                num_sms: int | None = None) -> int:
     """How many partitions per context: enough for ~4 programs per SM when the grid of
-    (sequence, KV head) alone would leave SMs idle, else 1. Decided from shapes only."""
-    if interpreting():
-        return 1
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    (sequence, KV head) alone would leave SMs idle, else 1; at most ``MAX_SPLITS``. Decided
+    from shapes only. ``num_sms`` answers for a GPU that is not here (Chapter 4's table);
+    without it, the interpreter never splits and a GPU reports its own count."""
+    if num_sms is None:
+        if interpreting() or device is None:
+            return 1
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        num_sms = _num_sms(index)
+    if num_seqs < 1 or kv_heads < 1 or num_sms < 1:
+        raise ValueError(f"num_seqs, kv_heads and num_sms must be positive, got "
+                         f"{num_seqs}, {kv_heads}, {num_sms}")
     programs = num_seqs * kv_heads
-    return 1 if programs >= 2 * sms else min(64, triton.cdiv(4 * sms, programs))
+    return 1 if programs >= 2 * num_sms else min(MAX_SPLITS, triton.cdiv(4 * num_sms, programs))
 
 
 def paged_decode_attention_triton(
