@@ -439,3 +439,51 @@ def test_ch02_exercise_4_check_fails_on_a_cache_that_ignores_the_window(ch2):
 
     with pytest.raises(AssertionError):
         ch2["check_4"](OffByOne)
+
+
+# -------------------------------------------------------------------------------- chapter 4
+CH4 = "04_gpu_kernels"
+
+
+@pytest.fixture(scope="module")
+def ch4() -> dict[str, Any]:
+    """The chapter's check functions (pure torch: no kernel runs)."""
+    import math
+
+    import torch
+
+    return run_cells({"math": math, "torch": torch}, cell_with(CH4, "def check_1"))
+
+
+def test_ch04_checks_accept_an_unanswered_exercise(ch4, capsys):
+    for n in (1, 2, 3):
+        ch4[f"check_{n}"](None)
+    assert capsys.readouterr().out.count("replace None") == 3
+
+
+def test_ch04_checks_fail_on_wrong_answers_and_pass_the_solutions(ch4, capsys):
+    import torch
+
+    for name, right, wrongs in [
+        ("check_1", 5 / 3, [2.0, 1.5, 7 / 3]),  # 2: fused reads x twice; 7/3: eager reads 2n twice
+        ("check_3", 33, [32, 66, 64, 17]),  # 32 leaves programs short; 66, 64: auto_splits' aim
+    ]:
+        ch4[name](right)
+        for wrong in wrongs:
+            with pytest.raises(AssertionError):
+                ch4[name](wrong)
+
+    def no_rescale(a, b):  # adds the parts as if they shared a maximum
+        return torch.maximum(a[0], b[0]), a[1] + b[1], a[2] + b[2]
+
+    def first_max(a, b):  # rescales, but keeps the first part's maximum
+        wb = torch.exp(b[0] - a[0])
+        return a[0], a[1] + b[1] * wb, a[2] + b[2] * wb
+
+    for wrong in (no_rescale, first_max):
+        with pytest.raises(AssertionError):
+            ch4["check_2"](wrong)
+    capsys.readouterr()
+    for marker in ("# Solution 1.", "# Solution 2.", "# Solution 3."):
+        run_cells(dict(ch4), cell_with(CH4, marker))
+    assert capsys.readouterr().out.count("right") == 3  # each solution passes its check
