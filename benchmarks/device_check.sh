@@ -13,7 +13,14 @@
 #                   chapter's .md are run in order in one namespace (plots to files, not shown);
 #   4. kernels      python -m benchmarks.kernels: GB/s against the copy ceiling, and eager torch;
 #   5. quant_kernels python -m benchmarks.quantization --gpu-kernels: W8A16/W4A16 GB/s.
-# Limits: 110 + 140 + 150 + 130 + 40 = 570 s (keep the sum at 9.5 minutes when changing one).
+#   6. engine       python -m benchmarks.engine_gpu: a random-weight Llama-3.2-1B-shaped model in
+#                   bf16, batch-1 decode eager / CUDA graphs against copy bandwidth / weight bytes,
+#                   offline long-tail throughput, transformers on the same weights (engine.json/png).
+#   7. serve_bench  infer-lab serve on that checkpoint, infer-lab bench at concurrency 1-64.
+#   8. tp           tests/test_tensor_parallel.py -k "tp2 or sharded", gloo backend, tp 2 on one GPU.
+# Default (STEPS unset): steps 2 and 4-8, limits 60 + 45 + 25 + 75 + 50 + 40 = 295 s, under the
+# 5 minutes one call may take; steps 1 and 3 (cpu_dry_run, chapters: 110 + 150 s) run only when
+# named in STEPS (both also run on CPU, where CI runs them).
 # Output goes to $OUT when set (the device tool brings back at most 8 files: summary.txt, one log
 # per step, kernels.json), else to benchmarks/results/device_check/. Exit status: 0 if all passed.
 # Nothing is installed: infer_lab runs from this tree (PYTHONPATH), everything else is there.
@@ -30,7 +37,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OF
   TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg
 failed=0
 
-wanted() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
+DEFAULT_STEPS="gpu_tests kernels quant_kernels engine serve_bench tp"
+wanted() { [[ " ${STEPS:-$DEFAULT_STEPS} " == *" $1 "* ]]; }
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the verdict
   local name=$1 limit=$2 start rc
@@ -59,7 +67,7 @@ step cpu_dry_run 110 env CUDA_VISIBLE_DEVICES= bash -c \
 # The gpu-marked modules by name: collecting all of tests/ would import the server stack
 # (FastAPI, openai, schemathesis), which the GPU image does not have.
 GPU_TESTS=$(grep -l "mark.gpu" tests/test_*.py | tr '\n' ' ')
-step gpu_tests 140 $PY -m pytest -q -m gpu -p no:cacheprovider -rs $GPU_TESTS
+step gpu_tests 60 $PY -m pytest -q -m gpu -p no:cacheprovider -rs $GPU_TESTS
 
 if [ "${CHAPTERS:-1}" = 0 ]; then echo "chapters: skipped (CHAPTERS=0)" | tee -a "$RES/summary.txt"; else
 step chapters 150 $PY - <<'PYCODE'
@@ -89,10 +97,30 @@ sys.exit(bad)
 PYCODE
 fi
 
-step kernels 130 $PY -m benchmarks.kernels --out "$RES"
+step kernels 45 $PY -m benchmarks.kernels --out "$RES"
 # Chapter 8: the W8A16 / W4A16 Triton kernels in GB/s against copy bandwidth (target: the W4A16
 # GEMV at >= 70 %); their correctness on the GPU is in gpu_tests (tests/test_quant_gpu.py).
-step quant_kernels 40 $PY -m benchmarks.quantization --gpu-kernels --out "$RES"
+step quant_kernels 25 $PY -m benchmarks.quantization --gpu-kernels --out "$RES"
+
+# Issue 14 piece 6: the engine against transformers on the same random Llama-3.2-1B weights
+# (rows written to engine.json as measured), then the server on that checkpoint.
+CKPT=/tmp/infer_lab_llama32_1b
+step engine 75 $PY -m benchmarks.engine_gpu --save-dir "$CKPT" --out "$RES"
+if wanted serve_bench && ! $PY -c 'import fastapi, uvicorn, httpx' 2>/dev/null; then
+  echo "serve_bench: not run: this image lacks fastapi/uvicorn/httpx" | tee -a "$RES/summary.txt"
+else
+step serve_bench 50 bash -c "
+  $PY -m infer_lab.cli serve --model $CKPT --port 8765 > '$RES/serve.log' 2>&1 & pid=\$!
+  trap 'kill \$pid 2>/dev/null' EXIT
+  for _ in \$(seq 60); do curl -sf http://127.0.0.1:8765/v1/models >/dev/null && break; sleep 0.5; done
+  $PY -m infer_lab.cli bench --base-url http://127.0.0.1:8765 --concurrency 1 4 16 64 \
+    --num-requests 64 --dataset random --input-len 128 --output-len 64 --prompt-kind ids \
+    --ignore-eos --no-progress --out '$RES/serve_bench.json' --plot '$RES/serve_bench'"
+fi
+# Tensor parallel, tp 2 on the one GPU through gloo; -p no:xdist so an interrupted run still
+# prints its summary.
+step tp 40 env INFER_LAB_TP_BACKEND=gloo $PY -m pytest -q -p no:xdist -p no:cacheprovider \
+  tests/test_tensor_parallel.py -k "tp2 or sharded"
 
 echo "overall: $([ $failed -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$RES/summary.txt"
 exit $failed
