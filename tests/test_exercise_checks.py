@@ -487,3 +487,42 @@ def test_ch04_checks_fail_on_wrong_answers_and_pass_the_solutions(ch4, capsys):
     for marker in ("# Solution 1.", "# Solution 2.", "# Solution 3."):
         run_cells(dict(ch4), cell_with(CH4, marker))
     assert capsys.readouterr().out.count("right") == 3  # each solution passes its check
+
+
+# -------------------------------------------------------------------------------- chapter 9
+CH9 = "09_speculative_decoding"
+
+
+@pytest.fixture(scope="module")
+def ch9() -> dict[str, Any]:
+    """The chapter's checks, its ``expected_tokens`` and ``prompt_lookup`` (no model needed)."""
+    import torch
+
+    namespace: dict[str, Any] = {"torch": torch}
+    run_cells(namespace, definitions(cell_with(CH9, "def expected_tokens")))
+    run_cells(namespace, definitions(cell_with(CH9, "def prompt_lookup")))
+    return run_cells(namespace, cell_with(CH9, "def check_1"))
+
+
+def test_ch09_checks_accept_an_unanswered_exercise(ch9, capsys):
+    for k in (1, 2, 3):
+        ch9[f"check_{k}"](None)
+    assert capsys.readouterr().out.count("replace None") == 3
+
+
+def test_ch09_checks_fail_on_wrong_answers_and_pass_the_solutions(ch9, capsys):
+    run_cells(dict(ch9), *(cell_with(CH9, f"# Solution {k}.") for k in (1, 2, 3)))
+    assert capsys.readouterr().out.count("right") == 3  # each solution cell runs its check
+    cases = [  # wrong: guesses only (no own token), k + 1 tokens, alpha * k + 1 ...
+        ("check_1", (1 - 0.6**5) / 0.4, [0.6 * (1 - 0.6**4) / 0.4, 5, 0.6 * 4 + 1]),
+        # ... the first occurrence's tail, the lookup with n = 1, the tail itself
+        ("check_2", [1, 5, 9], [[5, 9, 2], [1, 5, 9, 2], [1, 4]]),
+        # ... sum of max(p, q), the product of the kept mass, sum of p * q
+        ("check_3", 0.6, [1.4, 0.2 * 0.3 * 0.1, 0.6 * 0.2 + 0.3 * 0.5 + 0.1 * 0.3]),
+    ]
+    for name, right, wrongs in cases:
+        ch9[name](right)
+        for wrong in wrongs:
+            with pytest.raises(AssertionError):
+                ch9[name](wrong)
+    assert capsys.readouterr().out.count("right") == 3
