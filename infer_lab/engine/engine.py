@@ -26,6 +26,7 @@ from infer_lab.engine.outputs import (
     CompletionOutput,
     RequestMetrics,
     RequestOutput,
+    SpecDecodeRates,
     TokenLogprobs,
 )
 from infer_lab.engine.sampler import Sampler
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class EngineStats:
+class EngineStats(SpecDecodeRates):
     num_running: int
     num_waiting: int
     num_kv_blocks_used: int
@@ -64,17 +65,6 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
 
-    @property
-    def spec_acceptance_rate(self) -> float | None:
-        """Accepted / proposed tokens (None before any proposal)."""
-        n = self.spec_num_draft_tokens
-        return self.spec_num_accepted_tokens / n if n else None
-
-    @property
-    def spec_mean_accepted_length(self) -> float | None:
-        """Tokens gained per verification: accepted proposals plus the target's own token."""
-        n = self.spec_num_drafts
-        return 1 + self.spec_num_accepted_tokens / n if n else None
 
 
 @dataclass

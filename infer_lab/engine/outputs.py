@@ -5,6 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class SpecDecodeRates:
+    """Rates from the speculative-decoding counters (``spec_num_*``) of the class using it."""
+
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens (None before any proposal)."""
+        n = self.spec_num_draft_tokens
+        return self.spec_num_accepted_tokens / n if n else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens per verification step: accepted proposals plus the model's own token."""
+        n = self.spec_num_drafts
+        return 1 + self.spec_num_accepted_tokens / n if n else None
+
+
 @dataclass
 class TokenLogprobs:
     """Log-probabilities at one generated position, from the model's raw distribution.
@@ -41,7 +61,7 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
+class RequestMetrics(SpecDecodeRates):
     """Timestamps on the engine's clock (``time.perf_counter``) in seconds."""
 
     arrival_time: float
@@ -53,17 +73,6 @@ class RequestMetrics:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
-
-    @property
-    def spec_acceptance_rate(self) -> float | None:
-        n = self.spec_num_draft_tokens
-        return self.spec_num_accepted_tokens / n if n else None
-
-    @property
-    def spec_mean_accepted_length(self) -> float | None:
-        """Tokens per verification step: accepted proposals plus the model's own token."""
-        n = self.spec_num_drafts
-        return 1 + self.spec_num_accepted_tokens / n if n else None
 
     @property
     def ttft(self) -> float | None:
