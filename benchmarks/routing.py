@@ -32,10 +32,7 @@ import dataclasses
 import json
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +42,7 @@ import httpx
 import numpy as np
 
 from benchmarks._common import RESULTS, print_table, provenance, write_results
-from benchmarks.serve_sweep import exit_on_sigterm, free_port, served
+from benchmarks.serve_sweep import child_process, exit_on_sigterm, free_port, served
 from infer_lab.measure.loadgen import Endpoint, run_closed_loop, run_sync
 from infer_lab.measure.stats import bootstrap_ci, summarize, ttft
 from infer_lab.measure.workloads import RequestSpec
@@ -103,37 +100,13 @@ WORKLOADS = {
 def router(workers: Sequence[str], policy: str, timeout: float = 60.0
            ) -> Iterator[tuple[str, str]]:
     """``vllm-router`` in front of ``workers``; yields its base URL and its metrics URL."""
-    exe = shutil.which("vllm-router") or str(
-        Path(sys.executable).with_name("vllm-router"))
-    port = free_port()
-    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in finally
+    exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    port, prom = free_port(), free_port()
     cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--worker-urls", *workers, "--log-level", "warning",
-           "--prometheus-port", str(prom := free_port())]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+           "--worker-urls", *workers, "--log-level", "warning", "--prometheus-port", str(prom)]
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"vllm-router exited with {proc.returncode}: "
-                                   f"{log.read()[-2000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base}/v1/models", timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm-router not ready within {timeout:.0f} s")
-            time.sleep(0.3)
+    with child_process(cmd, f"{base}/v1/models", "vllm-router", timeout):
         yield base, f"http://127.0.0.1:{prom}/metrics"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def prefix_counters(base: str) -> tuple[float, float]:

@@ -73,31 +73,27 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def served(extra_args: Sequence[str] = (), timeout: float = 180.0) -> Iterator[str]:
-    """Run ``infer-lab serve`` as a child process for the block; yield its base URL.
+def child_process(cmd: Sequence[str], ready_url: str, what: str,
+                  timeout: float = 180.0) -> Iterator[subprocess.Popen]:
+    """Run ``cmd`` for the block, once ``ready_url`` answers 200; stop it afterwards.
 
-    The server is a separate process, as in production, so the client that measures it does not
-    share its interpreter (and its global interpreter lock) with the engine it measures.
+    Its output goes to a file, not a pipe: a pipe nobody reads fills up and stalls the child.
     """
-    port = free_port()
-    cmd = [sys.executable, "-m", "infer_lab.cli", "serve", "--port", str(port), *extra_args]
-    # stderr to a file, not a pipe: a pipe nobody reads fills up and stalls the server's logging
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
                 log.seek(0)
-                raise RuntimeError(f"server exited with {proc.returncode}: {log.read()[-2000:]}")
+                raise RuntimeError(f"{what} exited with {proc.returncode}: {log.read()[-2000:]}")
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
+                if httpx.get(ready_url, timeout=1.0).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not answer /health within {timeout:.0f} s")
+                raise RuntimeError(f"{what} did not answer {ready_url} within {timeout:.0f} s")
             time.sleep(0.2)
-        yield base
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -106,6 +102,20 @@ def served(extra_args: Sequence[str] = (), timeout: float = 180.0) -> Iterator[s
             proc.kill()
             proc.wait()
         log.close()
+
+
+@contextlib.contextmanager
+def served(extra_args: Sequence[str] = (), timeout: float = 180.0) -> Iterator[str]:
+    """Run ``infer-lab serve`` as a child process for the block; yield its base URL.
+
+    The server is a separate process, as in production, so the client that measures it does not
+    share its interpreter (and its global interpreter lock) with the engine it measures.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "infer_lab.cli", "serve", "--port", str(port), *extra_args]
+    base = f"http://127.0.0.1:{port}"
+    with child_process(cmd, f"{base}/health", "server", timeout):
+        yield base
 
 
 def compact_requests(result: dict[str, Any]) -> None:
