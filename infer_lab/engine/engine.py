@@ -519,11 +519,7 @@ class LLMEngine:
                 list(seq.token_times[: seq.emitted_tokens]), seq.num_preemptions,
                 None if seq.logprobs is None else seq.logprobs[: seq.emitted_tokens], [],
             ))
-        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
-                                 request.first_token_time, request.finish_time,
-                                 sum(s.spec_steps for s in request.seqs),
-                                 sum(s.spec_proposed for s in request.seqs),
-                                 sum(s.spec_accepted for s in request.seqs))
+        metrics = _request_metrics(request)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, True, metrics, message)
 
@@ -588,11 +584,7 @@ class LLMEngine:
                 delta_text, delta_ids, list(seq.token_times), seq.num_preemptions,
                 None if lps is None else list(lps), delta_lps,
             ))
-        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
-                                 request.first_token_time, request.finish_time,
-                                 sum(s.spec_steps for s in request.seqs),
-                                 sum(s.spec_proposed for s in request.seqs),
-                                 sum(s.spec_accepted for s in request.seqs))
+        metrics = _request_metrics(request)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.is_finished, metrics)
 
@@ -611,3 +603,12 @@ class LLMEngine:
             work, [s.request.request_id for s in out.preempted], self.scheduler.num_waiting,
             self.kv.num_used_blocks,
         )
+
+
+def _request_metrics(request: Request) -> RequestMetrics:
+    """A request's timestamps and its samples' speculative-decoding counts, summed."""
+    return RequestMetrics(request.arrival_time, request.first_scheduled_time,
+                          request.first_token_time, request.finish_time,
+                          sum(s.spec_steps for s in request.seqs),
+                          sum(s.spec_proposed for s in request.seqs),
+                          sum(s.spec_accepted for s in request.seqs))
