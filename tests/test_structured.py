@@ -152,3 +152,46 @@ def test_params_shapes_are_checked():
         S(choice=[])
     with pytest.raises(TypeError):
         SamplingParams(structured_outputs={"json": {}})
+
+
+def test_allowed_token_ids_is_the_vocabulary_scan_and_ends_in_eos(bundled):
+    """The helper's set for a state equals a scan of every token's text (the definition of the
+    mask), at the start, midway and at the end, where only the stop token is left."""
+    from infer_lab.engine.structured import StructuredOutputs
+
+    model, tok = bundled
+    so = StructuredOutputs(tok, model.config.vocab_size, tok.eos_token_ids)
+    spec = S(regex="(yes|no)")
+    texts = [tok.decode([i]) for i in range(model.config.vocab_size)]
+    special = {tok.token_to_id(t) for t in tok.special_tokens}
+
+    def scan(done: str) -> list[int]:
+        return [i for i, t in enumerate(texts) if t and i not in special
+                and any(w.startswith(done + t) for w in ("yes", "no"))]
+
+    matcher = so.matcher(spec)
+    assert so.allowed_token_ids(matcher) == scan("") and scan("")
+    assert matcher.accept_token(tok.token_to_id("y"))
+    assert so.allowed_token_ids(matcher) == scan("y")
+    for piece in tok.encode("es", add_special_tokens=False):
+        assert matcher.accept_token(piece)
+    assert so.allowed_token_ids(matcher) == sorted(tok.eos_token_ids)
+    assert matcher.accept_token(sorted(tok.eos_token_ids)[0])
+    assert so.allowed_token_ids(matcher) == []
+
+
+def test_mask_cache_counts_split_the_vocabulary(bundled):
+    from infer_lab.engine.structured import StructuredOutputs, mask_cache_counts
+
+    model, tok = bundled
+    vocab = model.config.vocab_size
+    so = StructuredOutputs(tok, vocab, tok.eos_token_ids)
+    regular = mask_cache_counts(so.compile(S(regex="(yes|no)")))
+    nested = mask_cache_counts(so.compile(S(json=SCHEMAS["nested"])))
+    recursive = mask_cache_counts(so.compile(S(json_object=True)))
+    for rows in (regular, nested, recursive):
+        assert rows and all(sum(r.values()) == vocab and min(r.values()) >= 0 for r in rows)
+    assert all(r["uncertain"] == 0 for r in regular)  # one rule, no stack: all decided ahead
+    # any JSON value nests: what may follow a closing quote or bracket depends on the stack
+    assert any(r["uncertain"] > 0 for r in recursive)
+    assert max(r["accepted"] for r in recursive) > vocab // 2  # inside a string: most tokens

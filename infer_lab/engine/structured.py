@@ -10,6 +10,7 @@ the few it must check at run time — and then fills a bitmask of the vocabulary
 - :class:`StructuredOutputs`: the engine's side: compiles (cached per distinct constraint),
   gives each constrained sequence its matcher, fills one bitmask for all constrained rows of a
   step, applies it to those rows only (unconstrained requests pay nothing), advances matchers.
+- :func:`mask_cache_counts`: what a compiled grammar decided ahead of time (Chapter 11).
 
 Preemption keeps a sequence's generated tokens, so its matcher stays valid across it.
 Speculative decoding is off for constrained requests (the engine checks ``is_constrained``).
@@ -211,3 +212,50 @@ class StructuredOutputs:
 
     def release(self, seq: Any) -> None:
         self._matchers.pop(seq, None)
+
+    # ---------------------------------------------------------------- reading a mask (book, tests)
+    def matcher(self, spec: StructuredOutputsParams) -> Any:
+        """A fresh XGrammar matcher for ``spec``, outside any sequence: to read the mask of one
+        state by hand (``allowed_token_ids``), as Chapter 11 does."""
+        xgr = self._xgr()
+        return xgr.GrammarMatcher(self.compile(spec))
+
+    def allowed_token_ids(self, matcher: Any) -> list[int]:
+        """The token ids ``matcher`` allows next, in order: the bits the engine's bitmask keeps
+        for that state (empty once the matcher has taken its stop token)."""
+        xgr = self._xgr()
+        if matcher.is_terminated():
+            return []
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        bits = torch.arange(32, dtype=torch.int32)
+        kept = (bitmask[0].unsqueeze(1) >> bits) & 1  # int32 words, lowest bit first
+        return kept.flatten()[: self.vocab_size].nonzero().flatten().tolist()
+
+
+def mask_cache_counts(compiled: Any) -> list[dict[str, int]]:
+    """What XGrammar decided at compile time, per position of the grammar's automaton: its
+    *adaptive token mask cache*, read from the compiled grammar's serialized form.
+
+    For each cached position: ``accepted`` and ``rejected``, tokens decided there whatever the
+    parser's stack holds (context-independent), and ``uncertain``, those left to check at run
+    time against the stack (context-dependent). ``ValueError`` if XGrammar's format is not the
+    one this reads (``__VERSION__`` v18, xgrammar 0.2.9)."""
+    data = json.loads(compiled.serialize_json())
+    vocab = data.get("tokenizer_metadata", {}).get("vocab_size")
+    cache = data.get("adaptive_token_mask_cache")
+    if data.get("__VERSION__") != "v18" or vocab is None or cache is None:
+        raise ValueError(f"unknown XGrammar serialization {data.get('__VERSION__')!r}: "
+                         "mask_cache_counts reads v18 (xgrammar 0.2.9)")
+    rows = []
+    for _, mask in cache:
+        uncertain = len(mask["uncertain_indices"])
+        if mask["store_type"] == 0:  # the accepted ids are listed, the rest rejected
+            accepted = len(mask["accepted_indices"])
+        elif mask["store_type"] == 1:  # the rejected ids are listed, the rest accepted
+            accepted = vocab - len(mask["rejected_indices"]) - uncertain
+        else:  # a bitset of the accepted ids: [bits, words, word, word, ...]
+            accepted = sum(bin(w & 0xFFFFFFFF).count("1") for w in mask["accepted_bitset"][2:])
+        rows.append({"accepted": accepted, "rejected": vocab - accepted - uncertain,
+                     "uncertain": uncertain})
+    return rows
