@@ -3,7 +3,9 @@
 Drafts used: prompt lookup (``ngram``); ``early_exit`` with the bundled model's first layer; and
 ``draft_model`` with a *truncated copy of the target* (its first 2 of 4 layers, own weights
 object, own paged cache). The bundled model (4 layers, 3072 tokens, trained) runs most tests;
-SmolLM2-135M-Instruct a few (marked slow).
+SmolLM2-135M-Instruct a few (marked slow). The sampled-draft tests use a random-weight tiny
+Llama with a 12-token vocabulary as the target, and as drafts both a *different* random model
+of the same vocabulary (``draft_model``) and the target's own first layers (``early_exit``).
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import pytest
 import torch
 
 import infer_lab as il
-from infer_lab.engine import LLMEngine, SamplingParams
+from infer_lab.engine import LLMEngine, SamplingParams, speculative
 from infer_lab.engine.speculative import (
     SpeculativeConfig,
     accepted_prefix,
     ngram_propose,
     rejection_sample,
+    verify_sampled,
 )
+from infer_lab.model.config import ModelConfig
+from infer_lab.model.transformer import Transformer
 from infer_lab.utils import cdiv
 from tests.engine_fixtures import assert_no_leak, logits_after
 from tests.helpers import assert_greedy_equal, make_checkpoint
@@ -137,10 +142,15 @@ def test_output_independent_of_the_batch(bundled):
     assert alone[0].outputs[0].token_ids == mixed[0].outputs[0].token_ids
 
 
-def test_rollback_leaves_table_and_free_queue_as_if_never_written(bundled):
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 6},
+    {"method": "early_exit", "num_layers": 1, "num_speculative_tokens": 4,
+     "draft_sampling": "sampled"},
+], ids=["ngram", "early_exit_sampled"])
+def test_rollback_leaves_table_and_free_queue_as_if_never_written(bundled, spec):
     model, tok = bundled
     engine = LLMEngine(model, tok, num_kv_blocks=40, block_size=4, enable_prefix_caching=False,
-                       speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+                       speculative_config=spec)
     engine.add_request("a", "Once upon a time there was", SamplingParams(max_tokens=60))
     seq = engine.requests["a"].seqs[0]
     rejected = 0
@@ -239,6 +249,10 @@ def test_bad_configs_raise_clear_errors(bundled, tmp_path):
              "prompt_lookup_max": 2}, "prompt_lookup_max"),
            ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
            ({"method": "early_exit", "num_speculative_tokens": 2}, "num_layers"),
+           ({"method": "early_exit", "num_layers": 1, "num_speculative_tokens": 2,
+             "draft_sampling": "random"}, "draft_sampling"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "draft_sampling": "sampled"},
+            "unknown"),
            ("ngram", "dict")]
     for spec, word in bad:
         with pytest.raises((ValueError, TypeError), match=word):
@@ -300,6 +314,132 @@ def test_rejection_sampling_preserves_the_distribution_and_a_broken_rule_does_no
     def always_accept(p, q, d, gen):
         return d, True
     assert _chi2_pvalue(always_accept, p, q) < 1e-3
+
+
+# ---------------------------------------------------------------------- a sampled draft
+TINY_VOCAB = 12
+TINY_PROMPT = [3, 7, 1, 5, 9]
+
+
+def tiny_llama(seed: int, num_layers: int = 2) -> Transformer:
+    """A random-weight Llama of 12 tokens, weights spread wide enough for varied p and q."""
+    cfg = ModelConfig.from_dict(dict(
+        model_type="llama", vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64))
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return tiny_llama(0, num_layers=3)
+
+
+def sample_many(target, tok, spec, n: int, **params):
+    """``n`` requests seeded 0..n-1 (one engine, batched): outputs ``[n, max_tokens]``."""
+    sp = [SamplingParams(max_tokens=4, seed=s, ignore_eos=True, detokenize=False, **params)
+          for s in range(n)]
+    outs, engine = run(target, tok, [TINY_PROMPT] * n, sp, spec, num_kv_blocks=2048,
+                       max_num_seqs=256, max_num_batched_tokens=4096)
+    return np.array([o.outputs[0].token_ids for o in outs]), engine.get_stats()
+
+
+def homogeneity_pvalue(a: np.ndarray, b: np.ndarray) -> float:
+    """Chi-square test that two samples of tokens come from one distribution (2 x V table;
+    tokens seen fewer than 10 times in both together pooled into one cell)."""
+    ca, cb = (np.bincount(x, minlength=TINY_VOCAB).astype(float) for x in (a, b))
+    rare = ca + cb < 10
+    ca, cb = np.append(ca[~rare], ca[rare].sum()), np.append(cb[~rare], cb[rare].sum())
+    if ca[-1] + cb[-1] == 0:
+        ca, cb = ca[:-1], cb[:-1]
+    total = ca + cb
+    ea, eb = total * ca.sum() / total.sum(), total * cb.sum() / total.sum()
+    chi2 = float(((ca - ea) ** 2 / ea).sum() + ((cb - eb) ** 2 / eb).sum())
+    dof = len(total) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
+
+
+SAMPLED_DRAFTS = {
+    # a different random model, same vocabulary: rarely agrees (about 13% accepted)
+    "draft_model": (lambda: {"method": "draft_model", "model": tiny_llama(1),
+                             "num_speculative_tokens": 3, "draft_sampling": "sampled"},
+                    dict(temperature=1.0)),
+    # the target's first 2 of 3 layers; top-k, top-p and a penalty, which p must count
+    "early_exit": (lambda: {"method": "early_exit", "num_layers": 2,
+                            "num_speculative_tokens": 3, "draft_sampling": "sampled"},
+                   dict(temperature=0.8, top_k=8, top_p=0.95, presence_penalty=0.7)),
+}
+N_SAMPLES = 3000
+SIGNIFICANCE = 1e-3
+
+
+@pytest.mark.parametrize("method", list(SAMPLED_DRAFTS))
+def test_sampled_draft_preserves_the_distribution(bundled, tiny_target, method, monkeypatch):
+    """Tokens 2-4 (the first comes from prefill and is never drafted) over 3000 seeded samples
+    with speculation on and off: a chi-square homogeneity test per position passes at
+    significance 1e-3; with acceptance broken (every guess kept) the same test fails."""
+    _, tok = bundled
+    make_spec, params = SAMPLED_DRAFTS[method]
+    spec = make_spec()
+    off, _ = sample_many(tiny_target, tok, None, N_SAMPLES, **params)
+    on, stats_ = sample_many(tiny_target, tok, spec, N_SAMPLES, **params)
+    assert stats_.spec_num_draft_tokens > N_SAMPLES  # proposals were made...
+    assert 0 < stats_.spec_num_accepted_tokens < stats_.spec_num_draft_tokens  # ...some rejected
+    assert on.shape == off.shape == (N_SAMPLES, 4)  # max_tokens held inside accepted runs
+    for j in (1, 2, 3):
+        assert homogeneity_pvalue(off[:, j], on[:, j]) > SIGNIFICANCE, f"token {j + 1}"
+    assert (on != off).any()  # the same distribution, not the same seeded stream
+    again, _ = sample_many(tiny_target, tok, spec, N_SAMPLES, **params)
+    assert (again == on).all()  # reproducible: same seeds, same batch
+
+    monkeypatch.setattr(speculative, "rejection_sample", lambda p, q, x, gen=None: (x, True))
+    broken, stats_ = sample_many(tiny_target, tok, spec, N_SAMPLES, **params)
+    assert stats_.spec_num_accepted_tokens == stats_.spec_num_draft_tokens
+    assert min(homogeneity_pvalue(off[:, j], broken[:, j]) for j in (1, 2, 3)) < SIGNIFICANCE
+
+
+def test_sampled_draft_keeps_greedy_requests_and_stop_tokens(bundled, tiny_target):
+    """In sampled-draft mode a greedy request still gets the greedy draft and its output is
+    the model's own; a stop token inside a kept run ends the output there."""
+    _, tok = bundled
+    spec = SAMPLED_DRAFTS["draft_model"][0]()
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
+    stop = [SamplingParams(max_tokens=12, seed=s, stop_token_ids=[6], ignore_eos=True,
+                           detokenize=False)
+            for s in range(40)]
+    prompts = [TINY_PROMPT] * 41
+    base, _ = run(tiny_target, tok, prompts, [greedy] + stop)
+    outs, engine = run(tiny_target, tok, prompts, [greedy] + stop, spec)
+    assert engine.get_stats().spec_num_draft_tokens > 0
+    assert outs[0].outputs[0].token_ids == base[0].outputs[0].token_ids
+    ended = 0
+    for o in outs[1:]:
+        ids = o.outputs[0].token_ids
+        assert 6 not in ids[:-1] and len(ids) <= 12
+        if ids[-1] == 6:
+            assert o.outputs[0].finish_reason == "stop"
+            ended += 1
+        else:
+            assert len(ids) == 12 and o.outputs[0].finish_reason == "length"
+    assert ended > 0
+
+
+def test_verify_sampled_runs():
+    """The kept run: guesses while accepted, the correction at the first rejection, and a
+    bonus token from p after k accepted guesses."""
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    p_agrees = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    assert verify_sampled(p_agrees, q, [1, 2]) == [1, 2, 0]
+    p_rejects = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    assert verify_sampled(p_rejects, q, [1, 2]) == [2]  # p(1) = 0: rejected, drawn from p - q
 
 
 # ---------------------------------------------------------------------- SmolLM2

@@ -29,11 +29,16 @@ from infer_lab.engine.outputs import (
     SpecDecodeRates,
     TokenLogprobs,
 )
-from infer_lab.engine.sampler import Sampler
+from infer_lab.engine.sampler import Sampler, apply_penalties, sampling_probs
 from infer_lab.engine.sampling_params import SamplingParams
 from infer_lab.engine.scheduler import make_scheduler
 from infer_lab.engine.sequence import Request, Sequence, SequenceStatus
-from infer_lab.engine.speculative import SpeculativeConfig, accepted_prefix, make_proposer
+from infer_lab.engine.speculative import (
+    SpeculativeConfig,
+    accepted_prefix,
+    make_proposer,
+    verify_sampled,
+)
 from infer_lab.engine.stop import StopMatcher
 from infer_lab.engine.structured import StructuredOutputs
 from infer_lab.model.generate import stop_token_ids
@@ -296,11 +301,12 @@ class LLMEngine:
         failed: dict[Request, str] = {}
         if speculating:
             rows, prefixes, states = self._spec_rows(sampled)
+            tokens, verified = self._sample_speculative(logits, rows, failed, prefixes)
         else:
-            rows, prefixes, states = sampled, None, {}
-        tokens = self._sample(logits, rows, failed, prefixes) if sampled else []
+            rows, states, verified = sampled, {}, {}
+            tokens = self._sample(logits, rows, failed) if sampled else []
         logprobs = self._logprobs(logits, rows, tokens, failed)
-        runs = (self._accept(sampled, tokens, logprobs, states) if speculating
+        runs = (self._accept(sampled, tokens, logprobs, states, verified) if speculating
                 else [[tl] for tl in zip(tokens, logprobs)])
         now = time.perf_counter()
         finished = []
@@ -434,10 +440,11 @@ class LLMEngine:
                 d = []  # constrained: proposals are not checked against the grammar
             if d:
                 seq.spec_token_ids = d[:k]
+                seq.spec_probs = seq.spec_probs[:k] if seq.spec_probs else []
                 out.num_new[i] = 1 + len(seq.spec_token_ids)
                 proposed = True
             else:  # nothing to verify: the lookahead slots go back before the forward
-                seq.spec_slots, out.num_new[i] = 0, 1
+                seq.spec_slots, out.num_new[i], seq.spec_probs = 0, 1, []
                 self.kv.trim(seq, seq.num_computed + 1)
         return proposed
 
@@ -449,13 +456,65 @@ class LLMEngine:
             for j in range(len(spec) + 1):
                 rows.append(seq)
                 prefixes.append(spec[:j])
-            if spec and seq.generator is not None and not seq.request.params.greedy:
+            if (spec and not seq.spec_probs and seq.generator is not None
+                    and not seq.request.params.greedy):
                 states[seq] = seq.generator.get_state()  # rewound once we know what is kept
         return rows, prefixes, states
 
-    def _accept(self, sampled, tokens, logprobs, states) -> list[list[tuple]]:
+    def _sample_speculative(self, logits: torch.Tensor, rows: list[Sequence],
+                            failed: dict[Request, str], prefixes: list[list[int]]):
+        """A token for every scored row, and the run each sampled draft keeps.
+
+        Rows of deterministic proposals are sampled as without speculation (:meth:`_sample`).
+        The rows of a sequence whose draft *sampled* its guesses (``spec_probs`` holds q) get
+        the target's distribution p instead (penalties counting the guesses before each row,
+        then temperature, top-k, top-p: what the request samples from there), and the rejection
+        rule decides the run (:func:`verify_sampled`); rows past the run's end are unused.
+        """
+        rej = [i for i, s in enumerate(rows) if s.spec_probs]
+        if not rej:
+            return self._sample(logits, rows, failed, prefixes), {}
+        is_rej = set(rej)
+        plain = [i for i in range(len(rows)) if i not in is_rej]
+        tokens = [0] * len(rows)
+        if plain:
+            sub = self._sample(logits[plain], [rows[i] for i in plain], failed,
+                               [prefixes[i] for i in plain])
+            for i, t in zip(plain, sub):
+                tokens[i] = t
+        seqs = [rows[i] for i in rej]
+        verified: dict[Sequence, list[int]] = {}
+        try:
+            sub_logits, params = logits[rej], [s.request.params for s in seqs]
+            if any(p.has_penalties for p in params):
+                sub_logits = apply_penalties(
+                    sub_logits, params, [s.token_ids[: s.num_prompt_tokens] for s in seqs],
+                    [s.output_token_ids + prefixes[i] for s, i in zip(seqs, rej)])
+            probs = sampling_probs(sub_logits, params)
+        except Exception as e:
+            for seq in seqs:
+                failed.setdefault(seq.request, self._describe(seq.request, "sampling", e))
+            return tokens, {s: [0] for s in seqs}
+        r = 0
+        while r < len(rej):
+            seq = seqs[r]
+            m = len(seq.spec_token_ids) + 1
+            try:
+                run = verify_sampled(probs[r : r + m], torch.stack(seq.spec_probs),
+                                     seq.spec_token_ids, seq.generator or self.sampler.generator)
+            except Exception as e:
+                failed.setdefault(seq.request, self._describe(seq.request, "sampling", e))
+                run = [0]
+            verified[seq] = run
+            for j, t in enumerate(run):
+                tokens[rej[r + j]] = t
+            r += m
+        return tokens, verified
+
+    def _accept(self, sampled, tokens, logprobs, states, verified) -> list[list[tuple]]:
         """Per sequence, the run of tokens kept: the target's own token at each position,
-        up to and including the first one that differs from the proposal."""
+        up to and including the first one that differs from the proposal (or, for a sampled
+        draft, the run the rejection rule kept)."""
         runs, r = [], 0
         vocab = self.model.config.vocab_size
         for seq in sampled:
@@ -465,7 +524,7 @@ class LLMEngine:
                 runs.append([(tokens[r], logprobs[r])])
                 r += 1
                 continue
-            kept = accepted_prefix(spec, tokens[r : r + m])
+            kept = verified.get(seq) or accepted_prefix(spec, tokens[r : r + m])
             runs.append(list(zip(kept, logprobs[r : r + len(kept)])))
             r += m
             gen = seq.generator
@@ -488,7 +547,7 @@ class LLMEngine:
         for seq in out.seqs:
             if not seq.spec_slots:
                 continue
-            seq.spec_slots, seq.spec_token_ids = 0, []
+            seq.spec_slots, seq.spec_token_ids, seq.spec_probs = 0, [], []
             if seq.is_finished or seq.status is not SequenceStatus.RUNNING:
                 continue  # its blocks go back whole (finished, or failed and aborted)
             # the last real token and every kept token but the newest have their K/V now

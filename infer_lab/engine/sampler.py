@@ -49,15 +49,9 @@ class Sampler:
         if all(p.greedy for p in params):
             return logits.argmax(-1).tolist()
         logits = logits.float()
-        device, vocab = logits.device, logits.shape[1]
+        device = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=device)
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-        scaled = logits / temps[:, None]
-        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # clamp to the vocab
-        top_p = [p.top_p for p in params]
-        if any(top_k) or any(tp < 1 for tp in top_p):
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        probs = torch.softmax(scaled, dim=-1)
+        probs = sampling_probs(logits, params)
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
@@ -68,6 +62,24 @@ class Sampler:
                 noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(-1)
         return torch.where(greedy, logits.argmax(-1), sampled).tolist()
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: softmax after temperature, top-k and top-p
+    (float32; penalties, if any, already in ``logits``). A greedy row gets temperature 1.
+
+    The sampler draws from it, and speculative decoding's rejection rule reads it as p (the
+    target) and as q (a sampled draft), so the three can never disagree about a row.
+    """
+    logits = logits.float()
+    device, vocab = logits.device, logits.shape[1]
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    scaled = logits / temps[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # clamp to the vocab
+    top_p = [p.top_p for p in params]
+    if any(top_k) or any(tp < 1 for tp in top_p):
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    return torch.softmax(scaled, dim=-1)
 
 
 def apply_penalties(

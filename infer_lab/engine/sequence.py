@@ -58,9 +58,11 @@ class Sequence:
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per output token, if the request asked
     # Speculative decoding: lookahead slots the scheduler granted this step, the proposals the
-    # engine put in them, how far a draft model's own cache is filled, and the counts.
+    # engine put in them (with the draft's distribution at each, if it sampled them), how far a
+    # draft model's own cache is filled, and the counts.
     spec_slots: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: list[torch.Tensor] = field(default_factory=list)  # a sampled draft's q rows
     draft_computed: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0

@@ -6,14 +6,23 @@ tokens; the target model scores the last real token plus the ``k`` guesses in on
 guesses are extra query rows of the flattened batch, with logits at every one of them); the
 engine then keeps the longest prefix the target agrees with, plus the target's own next token.
 
-Acceptance is one rule for greedy and sampled requests alike, because every proposer here is
-*deterministic* (prompt lookup; a draft model decoded greedily): at each proposed position the
-engine samples the target's token exactly as it would without speculation (same distribution,
-same per-request generator, same draw) and accepts the guess when the two agree. The accepted
-tokens are therefore the tokens the request would have produced alone, token for token: greedy
-output is unchanged and a seeded request's output is the same with speculation on or off.
-A *sampled* draft needs the rejection rule instead (:func:`rejection_sample`, Leviathan et al.
-2023; Chen et al. 2023), which preserves the distribution but not the seeded stream.
+Acceptance has two rules. By default every proposer is *deterministic* (prompt lookup; a draft
+model decoded greedily): at each proposed position the engine samples the target's token exactly
+as it would without speculation (same distribution, same per-request generator, same draw) and
+accepts the guess when the two agree. The accepted tokens are therefore the tokens the request
+would have produced alone, token for token: greedy output is unchanged and a seeded request's
+output is the same with speculation on or off.
+
+With ``"draft_sampling": "sampled"`` (``draft_model`` and ``early_exit`` only) a draft *samples*
+its guesses from its own distribution q, at the request's temperature, top-k and top-p, whenever
+the request samples (greedy requests keep the greedy draft). The engine then verifies with the
+rejection rule (:func:`verify_sampled`, built on :func:`rejection_sample`; Leviathan et al. 2023;
+Chen et al. 2023): guess x is kept with probability min(1, p(x)/q(x)); the first one rejected is
+replaced by a draw from norm(max(0, p - q)); if all k are kept, a bonus token is drawn from p. The
+output is distributed exactly as without speculation, and a seeded request is reproducible (same
+seed, same batch, same output), but it is no longer the same token stream as with speculation off:
+the draws are different ones. A sampled draft is accepted more often than a greedy one when q is
+close to p, since the greedy guess is one fixed token that a sampling target often does not pick.
 
 Proposers:
 
@@ -22,7 +31,7 @@ Proposers:
   what followed it. Free to run; pays off on copy-heavy tasks.
 - :class:`DraftModelProposer` (``"draft_model"``): a smaller model with the target's vocabulary
   on its own paged cache, indexed by the *target's* block tables (so allocation, prefix caching,
-  preemption and rollback need nothing extra), decoded greedily ``k`` steps.
+  preemption and rollback need nothing extra), decoded ``k`` steps (greedily, or sampled).
 - ``"early_exit"``: the same, with the target's first ``num_layers`` layers, final norm and LM
   head as the draft (:func:`early_exit_model`, sharing the target's weights).
 """
@@ -41,14 +50,16 @@ from torch import nn
 from infer_lab.cache.batch import flatten_batch
 from infer_lab.cache.kv_quant import attention_backend_for, make_paged_kv_cache
 from infer_lab.cache.paged import PagedAttentionContext
+from infer_lab.engine.sampler import sampling_probs
 from infer_lab.utils import cdiv
 
 METHODS = ("ngram", "draft_model", "early_exit")
+DRAFT_SAMPLING = ("greedy", "sampled")
 MAX_SPECULATIVE_TOKENS = 32
 _KEYS = {
     "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
-    "draft_model": {"model"},
-    "early_exit": {"num_layers"},
+    "draft_model": {"model", "draft_sampling"},
+    "early_exit": {"num_layers", "draft_sampling"},
 }
 _COMMON = {"method", "num_speculative_tokens", "disable_by_batch_size"}
 
@@ -59,6 +70,12 @@ class SpeculativeConfig:
 
     ``disable_by_batch_size``: speculation is off in a step where this many sequences or more are
     running or waiting (it changes no output: accepted tokens are the model's own either way).
+
+    ``draft_sampling`` (``draft_model``, ``early_exit``): ``"greedy"`` (the default) drafts the
+    draft's argmax and accepts a guess when it equals the target's own sample, so output is the
+    same with speculation on or off; ``"sampled"`` makes the draft sample from its distribution
+    q at the request's temperature / top-k / top-p when the request samples, and verifies with
+    the rejection rule: the output keeps the target's distribution, but not its seeded stream.
     """
 
     method: str
@@ -68,6 +85,7 @@ class SpeculativeConfig:
     model: Any = None  # a path, a registry name or a loaded Transformer
     num_layers: int | None = None
     disable_by_batch_size: int | None = None
+    draft_sampling: str = "greedy"
 
     @classmethod
     def parse(cls, spec: dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -90,6 +108,9 @@ class SpeculativeConfig:
         _int_in("num_speculative_tokens", cfg.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         if cfg.disable_by_batch_size is not None:
             _int_in("disable_by_batch_size", cfg.disable_by_batch_size, 1, 1 << 30)
+        if cfg.draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"speculative_config draft_sampling must be one of "
+                             f"{DRAFT_SAMPLING}, got {cfg.draft_sampling!r}")
         if method == "ngram":
             _int_in("prompt_lookup_min", cfg.prompt_lookup_min, 1, 1 << 10)
             _int_in("prompt_lookup_max", cfg.prompt_lookup_max, cfg.prompt_lookup_min, 1 << 10)
@@ -134,6 +155,7 @@ class NgramProposer:
         self.cfg = cfg
 
     def propose(self, seqs: list, ks: list[int], out: Any) -> list[list[int]]:
+        """Each sequence's proposals (``[]`` for none); prompt lookup never sets ``spec_probs``."""
         c = self.cfg
         return [ngram_propose(s.token_ids, k, c.prompt_lookup_max, c.prompt_lookup_min)
                 if k else [] for s, k in zip(seqs, ks)]
@@ -154,7 +176,12 @@ def early_exit_model(target: nn.Module, num_layers: int) -> nn.Module:
 
 
 class DraftModelProposer:
-    """Greedy ``k``-token drafts from a small model on its own paged cache.
+    """``k``-token drafts from a small model on its own paged cache.
+
+    Greedy by default. With ``sampled``, a sequence whose request samples gets guesses drawn
+    from the draft's distribution q (the request's temperature, top-k, top-p; its generator if
+    seeded, else the proposer's own), and ``seq.spec_probs`` keeps the q row of each guess for
+    the rejection rule.
 
     The draft cache has the target pool's block count and block size and is addressed through
     the target's block tables: position p of a sequence lives in the same slot in both caches.
@@ -162,7 +189,8 @@ class DraftModelProposer:
     chunks too), so its cache stays complete; ``Sequence.draft_computed`` says how far it is.
     """
 
-    def __init__(self, draft: nn.Module, target: nn.Module, engine_config: Any) -> None:
+    def __init__(self, draft: nn.Module, target: nn.Module, engine_config: Any,
+                 sampled: bool = False) -> None:
         vocab, dvocab = target.config.vocab_size, draft.config.vocab_size
         if dvocab != vocab:
             raise ValueError(f"the draft model's vocabulary ({dvocab} tokens) differs from the "
@@ -174,6 +202,9 @@ class DraftModelProposer:
                                          self.device, draft.dtype)
         self.backend = attention_backend_for(self.cache, None)
         self.max_blocks = cdiv(engine_config.max_model_len, self.block_size)
+        self.sampled = sampled
+        self.generator = torch.Generator(device=self.device)  # for unseeded sampled requests
+        self.generator.manual_seed(engine_config.seed + 1)
 
     @torch.inference_mode()
     def _forward(self, chunks: list[tuple[list[int], int, list[int]]], wants: list[bool]):
@@ -191,8 +222,27 @@ class DraftModelProposer:
         ctx = PagedAttentionContext(self.cache, batch, backend=self.backend)
         return self.model(batch.input_ids, batch.positions, ctx)
 
+    def _choose(self, logits: torch.Tensor, seqs: list, rows: list[int],
+                drafts: list[list[int]]) -> None:
+        """Append one guess per row: the argmax, or a draw from q for a sampled draft."""
+        picks = logits.argmax(-1).tolist()
+        if self.sampled:
+            live = [r for r, i in enumerate(rows) if not seqs[i].request.params.greedy]
+            if live:
+                q = sampling_probs(logits[live], [seqs[rows[r]].request.params for r in live])
+                for r, q_row in zip(live, q):
+                    seq = seqs[rows[r]]
+                    gen = seq.generator or self.generator
+                    picks[r] = int(torch.multinomial(q_row, 1, generator=gen))
+                    seq.spec_probs.append(q_row)
+        for i, t in zip(rows, picks):
+            drafts[i].append(t)
+
     def propose(self, seqs: list, ks: list[int], out: Any) -> list[list[int]]:
+        """Each sequence's proposals (``[]`` for none); after catching the draft cache up."""
         drafts: list[list[int]] = [[] for _ in seqs]
+        for seq in seqs:
+            seq.spec_probs = []
         new = dict(zip(map(id, out.seqs), out.num_new))
         chunks, wants, who = [], [], []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
@@ -209,9 +259,7 @@ class DraftModelProposer:
             if chunks:
                 self._forward(chunks, wants)
             return drafts
-        tokens = self._forward(chunks, wants).argmax(-1).tolist()
-        for i, t in zip(who, tokens):
-            drafts[i].append(t)
+        self._choose(self._forward(chunks, wants), seqs, who, drafts)
         for step in range(1, max(ks)):
             live = [i for i in who if ks[i] > step]
             if not live:
@@ -221,9 +269,7 @@ class DraftModelProposer:
                 seq = seqs[i]
                 chunks.append(([drafts[i][-1]], seq.num_tokens + step - 1, seq.block_table))
                 seq.draft_computed = seq.num_tokens + step
-            tokens = self._forward(chunks, [True] * len(chunks)).argmax(-1).tolist()
-            for i, t in zip(live, tokens):
-                drafts[i].append(t)
+            self._choose(self._forward(chunks, [True] * len(chunks)), seqs, live, drafts)
         return drafts
 
 
@@ -242,7 +288,8 @@ def make_proposer(cfg: SpeculativeConfig, target: nn.Module, engine_config: Any)
         from infer_lab.model.loader import load
 
         draft, _ = load(cfg.model, target.device, target.dtype)
-    return DraftModelProposer(draft, target, engine_config)
+    return DraftModelProposer(draft, target, engine_config,
+                              sampled=cfg.draft_sampling == "sampled")
 
 
 # ---------------------------------------------------------------------- acceptance
@@ -274,3 +321,22 @@ def rejection_sample(
     if residual.sum() <= 0:  # p == q: nothing to correct
         residual = p
     return int(torch.multinomial(residual / residual.sum(), 1, generator=generator)), False
+
+
+def verify_sampled(p: torch.Tensor, q: torch.Tensor, draft: list[int],
+                   generator: torch.Generator | None = None) -> list[int]:
+    """The tokens a sampled draft's step keeps: the rejection rule at each guess in turn.
+
+    ``p`` ``[k + 1, vocab]``: the target's distribution at each guessed position and after the
+    last; ``q`` ``[k, vocab]``: the draft's, from which ``draft`` was drawn. Guesses are kept
+    while :func:`rejection_sample` keeps them; the first rejected one is replaced by its
+    corrected draw and ends the run; if all are kept, a bonus token is drawn from ``p[k]``.
+    """
+    kept: list[int] = []
+    for j, x in enumerate(draft):
+        token, accepted = rejection_sample(p[j], q[j], x, generator)
+        kept.append(token)
+        if not accepted:
+            return kept
+    kept.append(int(torch.multinomial(p[len(draft)], 1, generator=generator)))
+    return kept
