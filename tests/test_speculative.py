@@ -316,6 +316,31 @@ def test_rejection_sampling_preserves_the_distribution_and_a_broken_rule_does_no
     assert _chi2_pvalue(always_accept, p, q) < 1e-3
 
 
+# ---------------------------------------------------------------------- 16-bit
+# bf16 keeps 8 bits of mantissa: logits of magnitude 8-16 are spaced 1/16 apart, and a forward
+# of k + 1 tokens sums in another order than a forward of one. Two such steps are a near tie.
+BF16_TIE = 0.125
+
+
+@pytest.fixture(scope="module")
+def bundled_bf16():
+    return il.load(device="cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft_model"])
+def test_bf16_greedy_unchanged_under_the_near_tie_rule(bundled_bf16, method):
+    """In bf16, greedy output with speculation equals the output without it, token for token
+    but at a near tie (top-2 logits within BF16_TIE where they first differ)."""
+    model, tok = bundled_bf16
+    params = SamplingParams(max_tokens=40, temperature=0)
+    base, _ = run(model, tok, PROMPTS, params)
+    outs, engine = run(model, tok, PROMPTS, params, methods(model)[method])
+    assert engine.get_stats().spec_num_accepted_tokens > 0
+    for prompt, a, b in zip(PROMPTS, outs, base):
+        assert_greedy_equal(a.outputs[0].token_ids, b.outputs[0].token_ids,
+                            logits_after(model, tok.encode(prompt)), tol=BF16_TIE)
+
+
 # ---------------------------------------------------------------------- a sampled draft
 TINY_VOCAB = 12
 TINY_PROMPT = [3, 7, 1, 5, 9]
@@ -446,6 +471,49 @@ def test_verify_sampled_runs():
 @pytest.fixture(scope="module")
 def smollm2():
     return il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32)
+
+
+SMOL_PROMPTS = [
+    "Repeat the sentence: The quick brown fox jumps over the lazy dog near the river bank. "
+    "Answer: The quick brown fox",
+    "The capital of France is",
+    "Copy this list: apples, pears, plums, apples, pears, plums, apples,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
+]
+
+
+def smollm2_spec(model, method: str) -> dict:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 4}
+    if method == "early_exit":
+        return {"method": "early_exit", "num_layers": 24, "num_speculative_tokens": 2}
+    return {"method": "draft_model", "model": truncated_copy(model, 8),
+            "num_speculative_tokens": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft_model"])
+def test_smollm2_mixed_batch_with_preemption_and_chunks(smollm2, method):
+    """SmolLM2, four requests in a pool too small for all of them and a 24-token budget:
+    preemption and chunked prefill happen, and greedy output equals no speculation's."""
+    model, tok = smollm2
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+              for m in (16, 12, 16, 10)]
+    small = dict(num_kv_blocks=10, block_size=8, max_num_batched_tokens=24, max_num_seqs=4,
+                 enable_prefix_caching=False, log_steps=True)
+    base, _ = run(model, tok, SMOL_PROMPTS, params, **small)
+    outs, engine = run(model, tok, SMOL_PROMPTS, params, smollm2_spec(model, method), **small)
+    st = engine.get_stats()
+    assert st.num_preemptions > 0
+    first: dict[str, int] = {}  # tokens of each request's first step: its first prompt chunk
+    for rec in engine.step_log:
+        for _, rid, n, _ in rec.work:
+            first.setdefault(rid, n)
+    assert any(first[str(i)] < len(tok.encode(p)) for i, p in enumerate(SMOL_PROMPTS))
+    assert st.spec_num_draft_tokens > 0
+    for prompt, a, b in zip(SMOL_PROMPTS, outs, base):
+        assert_greedy_equal(a.outputs[0].token_ids, b.outputs[0].token_ids,
+                            logits_after(model, tok.encode(prompt)))
 
 
 @pytest.mark.slow
