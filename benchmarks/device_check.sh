@@ -18,9 +18,16 @@
 #                   offline long-tail throughput, transformers on the same weights (engine.json/png).
 #   7. serve_bench  infer-lab serve on that checkpoint, infer-lab bench at concurrency 1-64.
 #   8. tp           tests/test_tensor_parallel.py -k "tp2 or sharded", gloo backend, tp 2 on one GPU.
+#   9. speculative  python -m benchmarks.speculative --gpu: the same random Llama-3.2-1B weights in
+#                   bf16, batch-1 decode tok/s without speculation (CUDA graphs), with ngram k=4
+#                   and early_exit 4/16 k=2, acceptance, output identical; ngram at batch 8 and 32
+#                   (speculative.json). Limit 90 s; only when named in STEPS (the defaults already
+#                   fill the 5 minutes): STEPS="engine speculative" (alone, it first makes the
+#                   checkpoint, some 30 s of its 90).
 # Default (STEPS unset): steps 2 and 4-8, limits 60 + 45 + 25 + 75 + 50 + 40 = 295 s, under the
-# 5 minutes one call may take; steps 1 and 3 (cpu_dry_run, chapters: 110 + 150 s) run only when
-# named in STEPS (both also run on CPU, where CI runs them).
+# 5 minutes one call may take; steps 1, 3 and 9 (cpu_dry_run, chapters, speculative: 110, 150,
+# 90 s) run only when named in STEPS (1 and 3 also run on CPU, where CI runs them; 9 has a CPU
+# smoke: python -m benchmarks.speculative --gpu --device cpu --tiny).
 # Output goes to $OUT when set (the device tool brings back at most 8 files: summary.txt, one log
 # per step, kernels.json), else to benchmarks/results/device_check/. Exit status: 0 if all passed.
 # Nothing is installed: infer_lab runs from this tree (PYTHONPATH), everything else is there.
@@ -106,6 +113,9 @@ step quant_kernels 25 $PY -m benchmarks.quantization --gpu-kernels --out "$RES"
 # (rows written to engine.json as measured), then the server on that checkpoint.
 CKPT=/tmp/infer_lab_llama32_1b
 step engine 75 $PY -m benchmarks.engine_gpu --save-dir "$CKPT" --out "$RES"
+# Issue 17: speculative decoding at GPU sizes on the same checkpoint (made here if engine did not
+# run first); rows written to speculative.json as measured.
+step speculative 90 $PY -m benchmarks.speculative --gpu --save-dir "$CKPT" --out "$RES"
 if wanted serve_bench && ! $PY -c 'import fastapi, uvicorn, httpx' 2>/dev/null; then
   echo "serve_bench: not run: this image lacks fastapi/uvicorn/httpx" | tee -a "$RES/summary.txt"
 else

@@ -6,7 +6,27 @@ on a copy-heavy task (rewrite a given paragraph) and on free generation; then th
 and without speculation at concurrency 1, 8 and 32 (all requests added at once; generated tokens
 over wall time), including ``disable_by_batch_size``. One run; ratios are what to read.
 
+``--server`` adds (``--only server``: runs only) the sweep through the server: ``infer-lab
+serve`` as a child process with and without ``ngram`` k = 4, driven by the load generator of
+``infer-lab bench`` (closed loop at concurrency 1, 4, 16, 64; streamed, greedy, ``ignore_eos``)
+on a copy-heavy prompt set (each request asks to rewrite its own paragraph, shuffled from a pool
+of sentences, so no two prompts share more than the chat template). Per row: output tokens/s,
+TTFT and ITL p50/p99, and the ratio to no speculation; each row is written to the JSON as soon
+as it is measured. ``bench`` itself sends random prompts, which have nothing to copy, so the
+sweep calls its closed loop and statistics with these prompts instead.
+
+``--gpu`` (device_check.sh's ``speculative`` step) measures at GPU sizes instead: a random-weight
+Llama-3.2-1B-shaped model in bf16 (the checkpoint of ``benchmarks.engine_gpu``), batch-1 decode
+tokens/s without speculation (CUDA graphs, as the engine runs it), with ``ngram`` k = 4 and with
+``early_exit`` (4 of 16 layers, k = 2), acceptance and whether greedy output stayed the same;
+then offline throughput at batch 8 and 32 with and without ``ngram``. Random weights say
+nothing about how often a real draft is right: the acceptance rows say what these weights did
+(a random model's greedy output soon repeats itself, which prompt lookup then finds); the step
+costs are what to read. ``--device cpu --tiny`` runs the same code on tiny shapes.
+
     python -m benchmarks.speculative [--threads 1] [--max-tokens 64] [--out DIR]
+    python -m benchmarks.speculative --only server [--server-concurrency 1 4 16 64]
+    python -m benchmarks.speculative --gpu [--device cpu --tiny] [--save-dir DIR] [--out DIR]
 
 Drafts: prompt lookup (``ngram``); ``early_exit`` with the first 24 of 30 layers; ``draft_model``
 with a truncated *copy* of the target (its first 12 layers): no smaller model with SmolLM2's
@@ -18,13 +38,17 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
+import os
+import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import infer_lab as il
-from benchmarks._common import print_table, provenance, write_results
+from benchmarks._common import RESULTS, print_table, provenance, write_results
 from infer_lab.engine import LLMEngine, SamplingParams
 
 PARAGRAPH = (
@@ -36,6 +60,24 @@ PARAGRAPH = (
 COPY_TASK = ("Rewrite the following paragraph exactly, word for word, with no changes:\n\n"
              + PARAGRAPH)
 FREE_TASK = "Write a short story about a robot who learns to paint."
+# The server sweep's copy-heavy prompts: each request gets its own shuffle of these sentences.
+SENTENCES = [
+    "The old lighthouse stood at the edge of the cliff.",
+    "Every night its keeper climbed the spiral stairs.",
+    "He trimmed the wick and wound the clockwork.",
+    "The great lens turned slowly above the sea.",
+    "Ships passing the rocks below could find their way home.",
+    "In winter the wind shook the windows of the tower.",
+    "The village sent bread and oil up the hill each week.",
+    "A gull nested every spring on the iron railing.",
+    "The keeper wrote the weather in a leather book.",
+    "One stormy night a fishing boat lost its mast.",
+    "The light guided it safely into the harbour.",
+    "Years later the village built an electric lamp.",
+    "The stairs fell silent and the book was closed.",
+    "Children still climb the hill to see the old tower.",
+]
+SERVER_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
 
 def chat(tok, text: str) -> list[int]:
@@ -70,13 +112,178 @@ def run(model, tok, prompts: list[list[int]], max_tokens: int, spec: dict | None
             "mean_accepted_length": st.spec_mean_accepted_length}
 
 
+def copy_prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
+    """``n`` distinct copy tasks (chat-templated ids): rewrite a paragraph of 5 sentences."""
+    rng = random.Random(seed)
+    return [chat(tok, "Rewrite the following paragraph exactly, word for word:\n\n"
+                 + " ".join(rng.sample(SENTENCES, 5))) for _ in range(n)]
+
+
+def server_sweep(tok, concurrencies: list[int], max_tokens: int, threads: int, path: Path,
+                 payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Closed loop through ``infer-lab serve`` with and without ngram; rows saved as measured.
+
+    Requests per point: max(8, 2 C), so the batch stays near C for most of the run; warm-up:
+    C requests (not counted). The server runs as a child process with ``threads`` torch threads.
+    """
+    from benchmarks.serve_sweep import exit_on_sigterm, served
+    from infer_lab.measure.loadgen import Endpoint, run_closed_loop, run_sync
+    from infer_lab.measure.stats import summarize
+    from infer_lab.measure.workloads import RequestSpec
+
+    exit_on_sigterm()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the child's torch reads it at start-up
+    rows = payload.setdefault("server_sweep", [])
+    rows.clear()
+    base_tok_s: dict[int, float] = {}
+    for name, spec in (("none", None), ("ngram k=4", SERVER_SPEC)):
+        extra = ["--model", "smollm2-135m-instruct", "--dtype", "float32"]
+        if spec is not None:
+            extra += ["--speculative-config", json.dumps(spec)]
+        with served(extra, timeout=600) as base:
+            endpoint = Endpoint(base_url=base, model="smollm2-135m-instruct",
+                                ignore_eos=True, timeout=1800)
+            for c in concurrencies:
+                n = max(8, 2 * c)
+                prompts = copy_prompts(tok, c + n, seed=c)  # warm-up prompts first
+                specs = [RequestSpec(len(p), max_tokens, 0.0, p) for p in prompts]
+                run_sync(run_closed_loop(endpoint, specs[:c], c))
+                result = run_sync(run_closed_loop(endpoint, specs[c:], c))
+                summary = summarize(result.results, result.duration)
+                tok_s = summary.output_throughput
+                if spec is None:
+                    base_tok_s[c] = tok_s
+                rows.append({
+                    "method": name, "concurrency": c, "num_requests": n,
+                    "failed": summary.failed, "output_tok_s": tok_s,
+                    "ratio": tok_s / base_tok_s[c] if c in base_tok_s else None,
+                    "ttft_p50_ms": summary.ttft.p50 * 1e3, "ttft_p99_ms": summary.ttft.p99 * 1e3,
+                    "itl_p50_ms": summary.itl.p50 * 1e3, "itl_p99_ms": summary.itl.p99 * 1e3,
+                    "load_average": round(os.getloadavg()[0], 2),
+                })
+                path.write_text(json.dumps(payload, indent=2) + "\n")  # as measured
+                print_table(rows[-1:], list(rows[-1]))
+    return rows
+
+
+def gpu_check(device: str, tiny: bool, save_dir: Path, out: Path | None,
+              max_tokens: int) -> Path:
+    """Speculation at GPU sizes (or tiny ones on CPU); rows written to the JSON as measured."""
+    import numpy as np
+
+    from benchmarks.engine_gpu import LLAMA_32_1B, SMOKE, IdsOnly, save_random_checkpoint
+    from infer_lab.model.loader import load_model
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA GPU; --device cpu --tiny runs the plumbing on CPU")
+    dtype = torch.bfloat16
+    shape = SMOKE if tiny else LLAMA_32_1B
+    out = out or (Path("/tmp/infer_lab_smoke") if tiny else RESULTS / "gpu")
+    model = load_model(save_random_checkpoint(shape, save_dir, dtype), device=device,
+                       dtype=dtype)
+    layers = shape["num_hidden_layers"]
+    specs: dict[str, dict[str, Any] | None] = {
+        "none": None,
+        "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4},
+        f"early_exit {max(1, layers // 4)}/{layers} k=2": {
+            "method": "early_exit", "num_layers": max(1, layers // 4),
+            "num_speculative_tokens": 2},
+    }
+    rng = np.random.default_rng(0)
+    half = rng.integers(3, shape["vocab_size"], 48).tolist()
+    prompt = half + half  # something to copy, should the model copy it
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows: list[dict[str, Any]] = []
+    payload = {"benchmark": "speculative_gpu", **provenance(device), "dtype": str(dtype),
+               "model": "tiny smoke shape" if tiny else "random-weight Llama-3.2-1B shape",
+               "shape": shape, "max_tokens": max_tokens, "rows": rows,
+               "note": "greedy, ignore_eos; random weights: acceptance is these weights', not a "
+                       "trained model's; ratio = tok/s over no speculation's at that batch"}
+
+    def timed(prompts: list[list[int]], spec: dict[str, Any] | None) -> dict[str, Any]:
+        engine = LLMEngine(model, IdsOnly(), speculative_config=spec, max_num_seqs=64,
+                           enable_prefix_caching=False)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        engine.add_request("warm", prompts[0], SamplingParams(max_tokens=8, temperature=0,
+                                                              ignore_eos=True))
+        while engine.has_unfinished_requests():  # warm-up (CUDA graphs are captured before)
+            engine.step()
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        outs: dict[str, list[int]] = {}
+        sync()
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+        sync()
+        wall = time.perf_counter() - start
+        st = engine.get_stats()
+        del engine
+        return {"wall_s": wall, "tok_s": sum(map(len, outs.values())) / wall,
+                "outputs": [outs[str(i)] for i in range(len(prompts))],
+                "acceptance_rate": st.spec_acceptance_rate,
+                "mean_accepted_length": st.spec_mean_accepted_length}
+
+    for batch in (1, 8, 32):
+        prompts = [prompt] + [rng.integers(3, shape["vocab_size"], 96).tolist()
+                              for _ in range(batch - 1)]
+        base = None
+        for name, spec in specs.items():
+            if batch > 1 and name.startswith("early_exit"):
+                continue
+            r = timed(prompts, spec)
+            base = base or r
+            rows.append({"batch": batch, "method": name, "tok_s": r["tok_s"],
+                         "ratio": r["tok_s"] / base["tok_s"],
+                         "acceptance_rate": r["acceptance_rate"],
+                         "mean_accepted_length": r["mean_accepted_length"],
+                         "identical": r["outputs"] == base["outputs"]})
+            print(rows[-1], flush=True)
+            path = write_results("speculative", payload, out)  # as measured
+    print_table(rows, ["batch", "method", "tok_s", "ratio", "acceptance_rate", "identical"])
+    print(f"wrote {path}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--server", action="store_true", help="also run the server sweep")
+    ap.add_argument("--only", choices=("server",), default=None,
+                    help="run only the server sweep, keeping the JSON's other sections")
+    ap.add_argument("--server-concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--server-max-tokens", type=int, default=32)
+    ap.add_argument("--gpu", action="store_true",
+                    help="GPU sizes (device_check.sh): random Llama-3.2-1B shape in bf16")
+    ap.add_argument("--device", default="cuda", help="with --gpu: cuda, or cpu with --tiny")
+    ap.add_argument("--tiny", action="store_true", help="with --gpu: tiny shapes (a smoke run)")
+    ap.add_argument("--save-dir", type=Path, default=Path("/tmp/infer_lab_llama32_1b"),
+                    help="with --gpu: where the random checkpoint is (made if absent)")
     args = ap.parse_args(argv)
+    if args.gpu:
+        gpu_check(args.device, args.tiny, args.save_dir, args.out and Path(args.out),
+                  args.max_tokens)
+        return
     torch.set_num_threads(args.threads)
+    if args.only == "server":
+        path = Path(args.out or RESULTS) / "speculative.json"
+        payload = json.loads(path.read_text()) if path.exists() else {}
+        tok = il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32)[1]
+        payload["server_provenance"] = provenance("cpu")
+        payload["server_note"] = (
+            "infer-lab serve (SmolLM2 fp32, default engine settings) as a child process on "
+            "the same 2-core machine as the client, which other engineers' jobs shared; "
+            f"server threads {args.threads}; output tokens {args.server_max_tokens} "
+            "(ignore_eos, greedy, streamed); ratio = output tokens/s over no speculation's")
+        server_sweep(tok, args.server_concurrency, args.server_max_tokens, args.threads,
+                     path, payload)
+        print(f"wrote {path}")
+        return
     model, tok = il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32)
     specs: dict[str, dict[str, Any]] = {
         "ngram k=2": {"method": "ngram", "num_speculative_tokens": 2},
@@ -120,11 +327,16 @@ def main(argv: list[str] | None = None) -> None:
                          "acceptance_rate": r["acceptance_rate"] or 0.0})
     print_table(conc, ["concurrency", "method", "tok_s", "ratio", "identical",
                        "acceptance_rate"])
-    path = write_results("speculative", {
+    payload = {
         "provenance": provenance("cpu"), "model": "smollm2-135m-instruct (fp32)",
         "max_tokens": args.max_tokens, "batch1": rows, "concurrency": conc,
         "note": "greedy, ignore_eos; speedup = baseline wall time / speculative wall time",
-    }, args.out)
+    }
+    path = write_results("speculative", payload, args.out)
+    if args.server:
+        del model
+        server_sweep(tok, args.server_concurrency, args.server_max_tokens, args.threads,
+                     path, payload)
     print(f"wrote {path}")
 
 
