@@ -526,3 +526,66 @@ def test_ch09_checks_fail_on_wrong_answers_and_pass_the_solutions(ch9, capsys):
             with pytest.raises(AssertionError):
                 ch9[name](wrong)
     assert capsys.readouterr().out.count("right") == 3
+
+
+# -------------------------------------------------------------------------------- chapter 11
+CH11 = "11_structured_output"
+
+
+@pytest.fixture(scope="module")
+def ch11() -> dict[str, Any]:
+    """The chapter's checks and its ``run``, over the bundled model (exercises 2 and 3
+    constrain it with the reader's schema and regex)."""
+    import json
+    import re
+
+    import jsonschema
+
+    from infer_lab.engine import LLMEngine, SamplingParams
+    from infer_lab.engine.structured import StructuredOutputsParams
+
+    small, small_tok = il.load(device="cpu")
+    namespace: dict[str, Any] = {
+        "il": il, "json": json, "re": re, "jsonschema": jsonschema, "LLMEngine": LLMEngine,
+        "SamplingParams": SamplingParams, "StructuredOutputsParams": StructuredOutputsParams,
+        "small": small, "small_tok": small_tok, "V": 49152,  # SmolLM2's vocabulary
+    }
+    run_cells(namespace, definitions(cell_with(CH11, "def run(")))
+    return run_cells(namespace, cell_with(CH11, "def check_1"))
+
+
+def test_ch11_checks_accept_an_unanswered_exercise(ch11, capsys):
+    for k in (1, 2, 3):
+        ch11[f"check_{k}"](None)
+    assert capsys.readouterr().out.count("replace None") == 3
+
+
+def test_ch11_checks_fail_on_wrong_answers_and_pass_the_solutions(ch11, capsys):
+    solutions = run_cells(dict(ch11), *(cell_with(CH11, f"# Solution {k}.") for k in (1, 2, 3)))
+    assert capsys.readouterr().out.count("right") == 3  # each solution cell runs its check
+    schema = solutions["verdict_schema"]
+    props = schema["properties"]
+    open_schema = {k: v for k, v in schema.items() if k != "additionalProperties"}
+    cases = [  # wrong: a byte (a bool) per token, words not bytes, a float per token
+        ("check_1", 6144, [49152, 1536, 49152 * 4]),
+        ("check_2", schema, [
+            open_schema,  # a "fine" field gets through
+            {**schema, "required": ["verdict"]},  # years optional
+            {**schema, "properties": {**props, "years": {"type": "integer", "minimum": 0}}},
+            {**schema, "properties": {**props, "years": {"type": "number", "minimum": 0,
+                                                         "maximum": 99}}},  # 2.5 years
+            {**schema, "properties": {**props, "verdict": {"type": "string"}}},  # "maybe"
+        ]),
+        ("check_3", r"([01][0-9]|2[0-3]):[0-5][0-9]", [
+            r"\d\d:\d\d",  # 24:00
+            r"[0-2][0-9]:[0-5][0-9]",  # 29:00
+            r"([01]?[0-9]|2[0-3]):[0-5][0-9]",  # 9:05
+            r"([01][0-9]|2[0-3]):[0-5][0-9]+",  # 12:300
+        ]),
+    ]
+    for name, right, wrongs in cases:
+        ch11[name](right)
+        for wrong in wrongs:
+            with pytest.raises(AssertionError):
+                ch11[name](wrong)
+    assert capsys.readouterr().out.count("right") == 3
