@@ -11,7 +11,8 @@ serve`` as a child process with and without ``ngram`` k = 4, driven by the load 
 ``infer-lab bench`` (closed loop at concurrency 1, 4, 16, 64; streamed, greedy, ``ignore_eos``)
 on a copy-heavy prompt set (each request asks to rewrite its own paragraph, shuffled from a pool
 of sentences, so no two prompts share more than the chat template). Per row: output tokens/s,
-TTFT and ITL p50/p99, and the ratio to no speculation; each row is written to the JSON as soon
+TTFT and ITL p50/p99 (ITL per streamed chunk: a step that keeps several tokens sends them in one
+chunk), TPOT p50, and the ratio to no speculation; each row is written to the JSON as soon
 as it is measured. ``bench`` itself sends random prompts, which have nothing to copy, so the
 sweep calls its closed loop and statistics with these prompts instead.
 
@@ -123,9 +124,14 @@ def server_sweep(tok, concurrencies: list[int], max_tokens: int, threads: int, p
                  payload: dict[str, Any]) -> list[dict[str, Any]]:
     """Closed loop through ``infer-lab serve`` with and without ngram; rows saved as measured.
 
-    Requests per point: max(8, 2 C), so the batch stays near C for most of the run; warm-up:
-    C requests (not counted). The server runs as a child process with ``threads`` torch threads.
+    Both servers run at once (child processes, ``threads`` torch threads each, one idle while
+    the other is measured) and each concurrency is measured on both back to back, so a change
+    in the shared machine's load falls on the pair rather than between the two halves of the
+    sweep. Requests per point: max(8, 2 C), so the batch stays near C for most of the run;
+    warm-up: C requests (not counted).
     """
+    import contextlib
+
     from benchmarks.serve_sweep import exit_on_sigterm, served
     from infer_lab.measure.loadgen import Endpoint, run_closed_loop, run_sync
     from infer_lab.measure.stats import summarize
@@ -137,14 +143,17 @@ def server_sweep(tok, concurrencies: list[int], max_tokens: int, threads: int, p
     rows = payload.setdefault("server_sweep", [])
     rows.clear()
     base_tok_s: dict[int, float] = {}
-    for name, spec in (("none", None), ("ngram k=4", SERVER_SPEC)):
-        extra = ["--model", "smollm2-135m-instruct", "--dtype", "float32"]
-        if spec is not None:
-            extra += ["--speculative-config", json.dumps(spec)]
-        with served(extra, timeout=600) as base:
-            endpoint = Endpoint(base_url=base, model="smollm2-135m-instruct",
-                                ignore_eos=True, timeout=1800)
-            for c in concurrencies:
+    with contextlib.ExitStack() as stack:
+        endpoints = {}
+        for name, spec in (("none", None), ("ngram k=4", SERVER_SPEC)):
+            extra = ["--model", "smollm2-135m-instruct", "--dtype", "float32"]
+            if spec is not None:
+                extra += ["--speculative-config", json.dumps(spec)]
+            base = stack.enter_context(served(extra, timeout=600))
+            endpoints[name] = (spec, Endpoint(base_url=base, model="smollm2-135m-instruct",
+                                              ignore_eos=True, timeout=1800))
+        for c in concurrencies:
+            for name, (spec, endpoint) in endpoints.items():
                 n = max(8, 2 * c)
                 prompts = copy_prompts(tok, c + n, seed=c)  # warm-up prompts first
                 specs = [RequestSpec(len(p), max_tokens, 0.0, p) for p in prompts]
@@ -160,6 +169,7 @@ def server_sweep(tok, concurrencies: list[int], max_tokens: int, threads: int, p
                     "ratio": tok_s / base_tok_s[c] if c in base_tok_s else None,
                     "ttft_p50_ms": summary.ttft.p50 * 1e3, "ttft_p99_ms": summary.ttft.p99 * 1e3,
                     "itl_p50_ms": summary.itl.p50 * 1e3, "itl_p99_ms": summary.itl.p99 * 1e3,
+                    "tpot_p50_ms": summary.tpot.p50 * 1e3,
                     "load_average": round(os.getloadavg()[0], 2),
                 })
                 path.write_text(json.dumps(payload, indent=2) + "\n")  # as measured
