@@ -4,10 +4,11 @@ What a reader's Colab has before their first cell: Python with torch, numpy, mat
 Jupyter kernel, and no infer_lab. This script builds exactly that in a virtualenv of its own
 (``build/colab-venv``; the packages only, so it is reused between runs), puts a ``google.colab``
 stand-in on the kernel's path and imports it at kernel start-up as Colab does (the setup cells
-test for it), clones this
-repository's HEAD and sets ``INFER_LAB_REPO=git+file://<clone>``, then executes each chapter's
-committed ``.ipynb`` top to bottom, setup cell included, in an empty working directory (Colab
-runs in ``/content``, not in a checkout). A chapter passes if no cell raises.
+test for it), clones this repository's HEAD and sets ``INFER_LAB_REPO=git+file://<clone>`` (and
+``INFER_LAB_RESULTS`` to the clone's committed benchmark results, which Colab reads from GitHub),
+then executes each chapter's committed ``.ipynb`` top to bottom, setup cell included, in an
+empty working directory (Colab runs in ``/content``, not in a checkout). A chapter passes if no
+cell raises.
 
 Usage: ``python scripts/colab_check.py [--torch torch==2.13.0] [02_kv_cache 06_serving ...]``
 (default: every chapter). It needs only python3 and git (``--from-md`` needs jupytext: run it
@@ -102,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         startup = Path(tmp) / "ipython" / "profile_default" / "startup"
         startup.mkdir(parents=True)
         (startup / "00-colab.py").write_text("import google.colab  # noqa: F401\n")
+        # The clone stands in for GitHub twice: pip installs from it, and the committed results
+        # the prose quotes are read from it as Colab reads them from raw.githubusercontent.com.
         env = {**os.environ, "INFER_LAB_REPO": f"git+file://{clone}", "PYTHONPATH": str(stub),
+               "INFER_LAB_RESULTS": f"file://{clone}/benchmarks/results",
                "IPYTHONDIR": str(Path(tmp) / "ipython"), "MPLBACKEND": "agg",
                "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
         env.pop("VIRTUAL_ENV", None)

@@ -200,7 +200,24 @@ def repository_url(config: Path = ROOT / "_config.yml") -> str:
 SERVES = re.compile(r"infer_lab\.serve|infer-lab serve|\bimport openai\b|from openai import")
 
 
-def setup_cell(source: str, url: str, serves: bool = False) -> str:
+def repository_branch(config: Path = ROOT / "_config.yml") -> str:
+    """``repository.branch`` from the book's configuration (``main`` if it names none)."""
+    m = re.search(r"^repository:\s*\n(?:[ \t]+.*\n)*?[ \t]+branch:\s*(\S+)",
+                  config.read_text(), re.MULTILINE)
+    return m.group(1) if m else "main"
+
+
+def results_url(url: str, branch: str = "main") -> str | None:
+    """Where a GitHub repository serves its committed ``benchmarks/results`` as raw files, so a
+    chapter opened in Colab (no checkout) still quotes them; None for other hosts."""
+    m = re.fullmatch(r"https://github\.com/([^/]+)/([^/]+?)(?:\.git)?/?", url)
+    if not m:
+        return None
+    owner, name = m.groups()
+    return f"https://raw.githubusercontent.com/{owner}/{name}/{branch}/benchmarks/results"
+
+
+def setup_cell(source: str, url: str, serves: bool = False, branch: str = "main") -> str:
     """The Colab install cell, generated; keeps the chapter's extras and extra packages, and
     adds the ``serve`` extra when the chapter uses the server (``serves``)."""
     extras = re.search(r"infer_lab(\[[a-z,\-]+\])", source)
@@ -211,6 +228,11 @@ def setup_cell(source: str, url: str, serves: bool = False) -> str:
                 if p not in skip and not p.startswith("infer_lab")]
     what = f"infer_lab{extra}" + (f" and {', '.join(packages)}" if packages else "")
     pkgs = "".join(f', "{p}"' for p in packages)
+    raw = results_url(url, branch)
+    results = ("\n    # where infer_lab.measure.results finds the figures the prose quotes"
+               f'\n    RAW = "{raw.removesuffix("/benchmarks/results")}"'
+               '\n    os.environ.setdefault("INFER_LAB_RESULTS", RAW + "/benchmarks/results")'
+               ) if raw else ""
     return f'''# On Colab, install {what} from the repository (elsewhere it is installed).
 # INFER_LAB_REPO overrides where from: any pip requirement, e.g. git+file:///path/to/clone.
 import os
@@ -226,7 +248,7 @@ if "google.colab" in sys.modules:
         raise SystemExit(
             f"Could not install {{req!r}} (pip's message is above). Check that the runtime is "
             "online, or point INFER_LAB_REPO at a reachable copy: os.environ['INFER_LAB_REPO'] "
-            "= 'git+https://github.com/<you>/infer_lab', then run this cell again.")'''
+            "= 'git+https://github.com/<you>/infer_lab', then run this cell again."){results}'''
 
 
 # ----------------------------------------------------------------------------- notebooks
@@ -244,7 +266,8 @@ def notebook_for(md: Path, bib: dict, url: str) -> nbformat.NotebookNode:
         if cell.cell_type == "markdown":
             cell.source = plain_markdown(cell.source, cites)
         elif cell.cell_type == "code" and not setup_done and SETUP_MARK in cell.source:
-            cell.source = setup_cell(cell.source, url, bool(SERVES.search(text)))
+            cell.source = setup_cell(cell.source, url, bool(SERVES.search(text)),
+                                     repository_branch())
             setup_done = True
     for cell in nb.cells:
         if cell.cell_type == "markdown" and "@@BIBLIOGRAPHY@@" in cell.source:
