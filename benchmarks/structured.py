@@ -5,9 +5,10 @@
 - compile time per schema (a fresh compiler: the cache miss a new schema pays once);
 - mask time per constrained token (filling and applying the bitmask, from the engine's stats);
 - throughput at concurrency 1, 8 and 32 on the bundled model, every request constrained vs none
-  (generated tokens per second of wall time; one run each, so read the ratios, not the digits).
+  (generated tokens per second of wall time; the median of interleaved rounds: read the ratios).
 
-    python -m benchmarks.structured [--samples 4] [--max-tokens 96]
+    python -m benchmarks.structured [--samples 4] [--max-tokens 96] [--rounds 3]
+        [--threads 1] [--only validity|throughput]
 
 writes ``benchmarks/results/structured.json``.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from typing import Any
 
@@ -23,7 +25,7 @@ import jsonschema
 import torch
 
 import infer_lab as il
-from benchmarks._common import print_table, provenance, write_results
+from benchmarks._common import RESULTS, print_table, provenance, write_results
 from infer_lab.engine import LLMEngine, SamplingParams
 from infer_lab.engine.structured import StructuredOutputs, StructuredOutputsParams
 
@@ -43,6 +45,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                     "minItems": 1, "maxItems": 3}},
         "required": ["answer", "reasons"], "additionalProperties": False},
 }
+RESULT = RESULTS / "structured.json"
 QUESTIONS = {"person": "Describe a famous scientist.", "city": "Tell me about Paris.",
              "answer": "Is the Earth round?"}
 
@@ -88,7 +91,13 @@ def validity(samples: int, max_tokens: int) -> list[dict[str, Any]]:
     return rows
 
 
-def compile_and_throughput(max_tokens: int) -> tuple[list[dict], list[dict], float]:
+def compile_and_throughput(max_tokens: int, rounds: int) -> tuple[list[dict], list[dict], float]:
+    """Compile times, then throughput with and without constraints.
+
+    Each concurrency runs ``rounds`` times, the two arms alternating within a round, and the
+    overhead is the median of the per-round ratios: on a shared machine a neighbour's burst
+    then lands on both arms of a round instead of on one arm of the whole run.
+    """
     model, tok = il.load(device="cpu")
     compiles = []
     for name, schema in SCHEMAS.items():
@@ -99,25 +108,34 @@ def compile_and_throughput(max_tokens: int) -> tuple[list[dict], list[dict], flo
         compiles.append({"schema": name, "compile_ms": (time.perf_counter() - start) * 1e3})
     rows, mask_s, mask_rows = [], 0.0, 0
     prompts = ["And God said,", "In the beginning", "Blessed are the", "Thou shalt"]
+    warm = LLMEngine(model, tok, il.EngineConfig(num_kv_blocks=64))  # first-call costs
+    answer = StructuredOutputsParams(json=SCHEMAS["answer"])
+    run(warm, [(p, SamplingParams(max_tokens=8, seed=0, structured_outputs=so))
+               for p in prompts[:2] for so in (None, answer)])
     for concurrency in (1, 8, 32):
-        result: dict[str, Any] = {"concurrency": concurrency}
-        for constrained in (False, True):
-            engine = LLMEngine(model, tok, il.EngineConfig(num_kv_blocks=1024,
-                                                           max_num_seqs=32))
-            so = StructuredOutputsParams(json=SCHEMAS["answer"]) if constrained else None
-            engine.structured.compile(so) if so else None  # compile outside the timing
-            reqs = [(prompts[i % 4], SamplingParams(max_tokens=max_tokens, temperature=0.8,
-                                                    seed=i, structured_outputs=so))
-                    for i in range(concurrency)]
-            outs, wall = run(engine, reqs)
-            tokens = sum(len(o.token_ids) for o in outs)
-            key = "constrained" if constrained else "unconstrained"
-            result[f"{key}_tok_s"] = tokens / wall
-            if constrained:
-                mask_s += engine.structured.stats.mask_seconds
-                mask_rows += engine.structured.stats.mask_rows
-        result["overhead"] = 1 - result["constrained_tok_s"] / result["unconstrained_tok_s"]
-        rows.append(result)
+        rates: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
+        for _ in range(rounds):
+            for constrained in (False, True):
+                engine = LLMEngine(model, tok, il.EngineConfig(num_kv_blocks=1024,
+                                                               max_num_seqs=32))
+                so = StructuredOutputsParams(json=SCHEMAS["answer"]) if constrained else None
+                engine.structured.compile(so) if so else None  # compile outside the timing
+                reqs = [(prompts[i % 4], SamplingParams(max_tokens=max_tokens,
+                                                        temperature=0.8, seed=i,
+                                                        structured_outputs=so))
+                        for i in range(concurrency)]
+                outs, wall = run(engine, reqs)
+                tokens = sum(len(o.token_ids) for o in outs)
+                rates["constrained" if constrained else "unconstrained"].append(tokens / wall)
+                if constrained:
+                    mask_s += engine.structured.stats.mask_seconds
+                    mask_rows += engine.structured.stats.mask_rows
+        ratios = [c / u for u, c in zip(rates["unconstrained"], rates["constrained"])]
+        rows.append({"concurrency": concurrency, "rounds": rounds,
+                     "unconstrained_tok_s": statistics.median(rates["unconstrained"]),
+                     "constrained_tok_s": statistics.median(rates["constrained"]),
+                     "overhead": 1 - statistics.median(ratios),
+                     "overhead_per_round": [1 - r for r in ratios]})
     return compiles, rows, mask_s / max(1, mask_rows)
 
 
@@ -125,22 +143,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds per level")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (on a shared 2-core machine a second thread "
+                             "makes every step wait for a free core)")
+    parser.add_argument("--only", choices=("validity", "throughput"),
+                        help="measure one part and keep the other from the existing JSON")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    valid_rows = validity(args.samples, args.max_tokens)
-    print_table(valid_rows, ["schema", "constrained", "valid", "samples", "length_finishes"])
-    compiles, throughput, mask_per_token = compile_and_throughput(64)
-    print_table(compiles, ["schema", "compile_ms"])
-    print_table(throughput, ["concurrency", "unconstrained_tok_s", "constrained_tok_s",
-                             "overhead"])
-    print(f"mask time per constrained token: {mask_per_token * 1e6:.0f} us")
-    path = write_results("structured", {
-        **provenance("cpu"), "validity": valid_rows, "compile": compiles,
-        "throughput": throughput, "mask_seconds_per_token": mask_per_token,
-        "settings": {"samples": args.samples, "max_tokens": args.max_tokens,
-                     "temperature": 0.7, "throughput_max_tokens": 64,
-                     "validity_model": "smollm2-135m-instruct",
-                     "throughput_model": "tiny-kjv", "grammar_engine": "xgrammar 0.2.9"}})
+    torch.set_num_threads(args.threads)
+    old = json.loads(RESULT.read_text()) if args.only and RESULT.exists() else {}
+    settings = {"temperature": 0.7, "throughput_max_tokens": 64,
+                "validity_model": "smollm2-135m-instruct", "throughput_model": "tiny-kjv",
+                "grammar_engine": "xgrammar 0.2.9", "threads": args.threads}
+    settings = {**old.get("settings", {}), **settings}
+    part: dict[str, Any] = {}
+    if args.only != "throughput":
+        part["validity"] = validity(args.samples, args.max_tokens)
+        settings.update(samples=args.samples, max_tokens=args.max_tokens)
+        print_table(part["validity"], ["schema", "constrained", "valid", "samples",
+                                       "length_finishes"])
+    if args.only != "validity":
+        compiles, throughput, mask_per_token = compile_and_throughput(64, args.rounds)
+        part.update(compile=compiles, throughput=throughput,
+                    mask_seconds_per_token=mask_per_token)
+        settings.update(rounds=args.rounds)
+        print_table(compiles, ["schema", "compile_ms"])
+        print_table(throughput, ["concurrency", "unconstrained_tok_s", "constrained_tok_s",
+                                 "overhead"])
+        print(f"mask time per constrained token: {mask_per_token * 1e6:.0f} us")
+    stamp = provenance("cpu")
+    runs = {**old.get("runs", {}), **{k: stamp for k in part}}  # which run measured each part
+    path = write_results("structured", {**old, **stamp, **part, "settings": settings,
+                                        "runs": runs})
     print(f"wrote {path}")
 
 
