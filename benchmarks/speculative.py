@@ -258,6 +258,17 @@ def gpu_check(device: str, tiny: bool, save_dir: Path, out: Path | None,
     return path
 
 
+def server_meta(payload: dict[str, Any], args: argparse.Namespace) -> None:
+    """The server sweep's provenance (one entry of the list, replacing an older one) and note."""
+    runs = [r for r in payload.get("provenance", []) if r.get("part") != "server_sweep"]
+    payload["provenance"] = runs + [{**provenance("cpu"), "part": "server_sweep"}]
+    payload["server_note"] = (
+        "infer-lab serve (SmolLM2 fp32, default engine settings) as a child process on "
+        "the same 2-core machine as the client, which other engineers' jobs shared; "
+        f"server threads {args.threads}; output tokens {args.server_max_tokens} "
+        "(ignore_eos, greedy, streamed); ratio = output tokens/s over no speculation's")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -284,12 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         path = Path(args.out or RESULTS) / "speculative.json"
         payload = json.loads(path.read_text()) if path.exists() else {}
         tok = il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32)[1]
-        payload["server_provenance"] = provenance("cpu")
-        payload["server_note"] = (
-            "infer-lab serve (SmolLM2 fp32, default engine settings) as a child process on "
-            "the same 2-core machine as the client, which other engineers' jobs shared; "
-            f"server threads {args.threads}; output tokens {args.server_max_tokens} "
-            "(ignore_eos, greedy, streamed); ratio = output tokens/s over no speculation's")
+        server_meta(payload, args)
         server_sweep(tok, args.server_concurrency, args.server_max_tokens, args.threads,
                      path, payload)
         print(f"wrote {path}")
@@ -338,13 +344,15 @@ def main(argv: list[str] | None = None) -> None:
     print_table(conc, ["concurrency", "method", "tok_s", "ratio", "identical",
                        "acceptance_rate"])
     payload = {
-        "provenance": provenance("cpu"), "model": "smollm2-135m-instruct (fp32)",
+        "provenance": [{**provenance("cpu"), "part": "batch1 + concurrency"}],
+        "model": "smollm2-135m-instruct (fp32)",
         "max_tokens": args.max_tokens, "batch1": rows, "concurrency": conc,
         "note": "greedy, ignore_eos; speedup = baseline wall time / speculative wall time",
     }
     path = write_results("speculative", payload, args.out)
     if args.server:
         del model
+        server_meta(payload, args)
         server_sweep(tok, args.server_concurrency, args.server_max_tokens, args.threads,
                      path, payload)
     print(f"wrote {path}")
