@@ -212,7 +212,10 @@ def gpu_check(device: str, tiny: bool, save_dir: Path, out: Path | None,
                        "trained model's; ratio = tok/s over no speculation's at that batch"}
 
     def timed(prompts: list[list[int]], spec: dict[str, Any] | None) -> dict[str, Any]:
-        engine = LLMEngine(model, IdsOnly(), speculative_config=spec, max_num_seqs=64,
+        # A fixed pool (the default fills the GPU, and a draft's cache needs room beside it);
+        # max_num_seqs = the batch, so CUDA graphs are captured for those sizes only.
+        engine = LLMEngine(model, IdsOnly(), speculative_config=spec,
+                           max_num_seqs=len(prompts), num_kv_blocks=1024,
                            enable_prefix_caching=False)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         engine.add_request("warm", prompts[0], SamplingParams(max_tokens=8, temperature=0,
