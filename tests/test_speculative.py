@@ -433,12 +433,13 @@ def test_sampled_draft_preserves_the_distribution(bundled, tiny_target, method, 
 
 def test_sampled_draft_keeps_greedy_requests_and_stop_tokens(bundled, tiny_target):
     """In sampled-draft mode a greedy request still gets the greedy draft and its output is
-    the model's own; a stop token inside a kept run ends the output there."""
+    the model's own; a stop token inside a kept run ends the output there; each kept token
+    comes with its log-probability."""
     _, tok = bundled
     spec = SAMPLED_DRAFTS["draft_model"][0]()
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
     stop = [SamplingParams(max_tokens=12, seed=s, stop_token_ids=[6], ignore_eos=True,
-                           detokenize=False)
+                           detokenize=False, logprobs=1)
             for s in range(40)]
     prompts = [TINY_PROMPT] * 41
     base, _ = run(tiny_target, tok, prompts, [greedy] + stop)
@@ -449,6 +450,8 @@ def test_sampled_draft_keeps_greedy_requests_and_stop_tokens(bundled, tiny_targe
     for o in outs[1:]:
         ids = o.outputs[0].token_ids
         assert 6 not in ids[:-1] and len(ids) <= 12
+        assert [lp.token_id for lp in o.outputs[0].logprobs] == ids
+        assert all(-30 < lp.logprob <= 0 for lp in o.outputs[0].logprobs)
         if ids[-1] == 6:
             assert o.outputs[0].finish_reason == "stop"
             ended += 1
