@@ -69,7 +69,8 @@ class SpeculativeConfig:
     """A validated ``speculative_config`` (vLLM's names).
 
     ``disable_by_batch_size``: speculation is off in a step where this many sequences or more are
-    running or waiting (it changes no output: accepted tokens are the model's own either way).
+    running or waiting (with greedy drafts it changes no output: accepted tokens are the model's
+    own either way; with sampled drafts, the distribution only).
 
     ``draft_sampling`` (``draft_model``, ``early_exit``): ``"greedy"`` (the default) drafts the
     draft's argmax and accepts a guess when it equals the target's own sample, so output is the
