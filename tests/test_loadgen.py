@@ -453,3 +453,52 @@ def test_infer_lab_command_line_runs_bench(capsys):
     capsys.readouterr()
     assert main(["bench", "--slo", "ttft=soon"]) == 1
     assert "bad SLO" in capsys.readouterr().err
+
+
+# --- a file of prompts (e.g. copy-heavy ones for speculative decoding) -----------------------
+
+
+def test_bench_sends_a_prompt_file_in_order_and_cycles_it(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "copy this text: a b c", "output_len": 4}\n\n'
+                    '{"prompt": [5, 6, 7]}\n'
+                    '{"prompt": "and this one", "output_len": 2}\n')
+    with Stub(ttft=0.01, gap=0.005) as stub:
+        result = bench.run_bench(bench_args(
+            stub.url, "--dataset", "file", "--dataset-path", str(path), "--concurrency", "1",
+            "-n", "4", "--num-warmups", "0", "--output-len", "3", "--repeats", "2"))
+    sent = [(b["prompt"], b["max_tokens"]) for b in stub.bodies]
+    first = [("copy this text: a b c", 4), ([5, 6, 7], 3), ("and this one", 2),
+             ("copy this text: a b c", 4)]
+    assert sent[:4] == first  # in order, cycled, each line's output_len or --output-len
+    assert sent[4][0] == [5, 6, 7]  # the repeat starts further along the file
+    assert result["meta"]["dataset"] == "file" and result["meta"]["dataset_path"] == str(path)
+    assert result["points"][0]["runs"][0]["summary"]["completed"] == 4
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "no prompts"),
+    ("not json\n", ":1: not JSON"),
+    ('{"prompt": ""}\n', ":1: 'prompt' must be"),
+    ('{"text": "hi"}\n', ":1: 'prompt' must be"),
+    ('{"prompt": [1, -2]}\n', ":1: 'prompt' must be"),
+    ('{"prompt": "ok"}\n{"prompt": "x", "output_len": 0}\n', ":2: 'output_len' must be"),
+    ('{"prompt": "x", "output_len": true}\n', ":1: 'output_len' must be"),
+])
+def test_a_bad_prompt_file_is_refused_naming_the_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    args = bench_args("http://127.0.0.1:1", "--dataset", "file", "--dataset-path", str(path))
+    with pytest.raises(ValueError, match=message):
+        bench.build_workload(args, None)
+    with pytest.raises(ValueError, match="needs --dataset-path"):
+        bench._check(bench_args("http://127.0.0.1:1", "--dataset", "file"))
+
+
+def test_a_file_run_says_where_its_prompts_came_from():
+    from infer_lab.measure.report import describe
+
+    meta = {"dataset": "file", "dataset_path": "copy.jsonl", "output_len": 64, "range_ratio": 0,
+            "ignore_eos": True, "mode": "closed", "num_requests": 8, "seed": 0, "repeats": 1,
+            "num_warmups": 2}
+    assert "prompts of copy.jsonl" in describe(meta)

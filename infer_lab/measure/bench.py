@@ -39,7 +39,8 @@ from infer_lab.measure.workloads import LONG_TAIL, RequestSpec, arrival_times, l
 __all__ = ["add_bench_parser", "build_workload", "describe", "format_table", "jsonable",
            "load_label", "parse_bench_args", "run_bench"]
 
-DEFAULT_N = {"random": stats.MIN_REQUESTS_FOR_P99, "long-tail": 128}
+DEFAULT_N = {"random": stats.MIN_REQUESTS_FOR_P99, "long-tail": 128,
+             "file": stats.MIN_REQUESTS_FOR_P99}
 CDF_LEVELS = np.linspace(0.0, 1.0, 201)  # quantiles saved per metric, enough to draw a CDF
 
 
@@ -92,9 +93,13 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="requests sent before each load point and left out of every statistic "
                         "(default: closed loop max(C, 4), so every connection is open and the "
                         "server has seen the batch; open loop 4)")
-    p.add_argument("--dataset", choices=("random", "long-tail"), default="random",
+    p.add_argument("--dataset", choices=("random", "long-tail", "file"), default="random",
                    help="random: --input-len/--output-len (± --range-ratio); long-tail: "
-                        f"the {LONG_TAIL}")
+                        f"the {LONG_TAIL}; file: the prompts of --dataset-path")
+    p.add_argument("--dataset-path", default=None, metavar="JSONL",
+                   help="file dataset: one JSON object per line, {\"prompt\": text or token "
+                        "ids, \"output_len\": N (optional, else --output-len)}, sent in order "
+                        "and cycled; each load point and repeat starts further along")
     p.add_argument("--input-len", type=int, default=128,
                    help="prompt tokens (random dataset; default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128,
@@ -143,6 +148,8 @@ def _check(args: argparse.Namespace) -> None:
         (args.max_concurrency is None or args.max_concurrency >= 1,
          "--max-concurrency must be >= 1"),
         (0 <= args.token_id_range[0] < args.token_id_range[1], "--token-id-range needs LO < HI"),
+        (args.dataset != "file" or bool(args.dataset_path),
+         "--dataset file needs --dataset-path"),
         (not args.concurrency or all(not math.isinf(c) and c == int(c)
                                      for c in _flat(args.concurrency)),
          "--concurrency must be whole numbers"),
@@ -150,6 +157,38 @@ def _check(args: argparse.Namespace) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+def read_prompt_file(path: str) -> list[tuple[list[int] | str, int, int | None]]:
+    """(prompt, its length, output_len or None) per line of a JSONL prompt file.
+
+    A text prompt's length is its word count (what the statistics use to weigh it; the server
+    counts tokens itself). Errors name the line, so a bad file fails before any request is sent.
+    """
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from None
+            prompt = row.get("prompt") if isinstance(row, dict) else None
+            ids = isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+            if not (isinstance(prompt, str) and prompt) and not ids:
+                raise ValueError(f"{path}:{number}: 'prompt' must be non-empty text or a list "
+                                 "of token ids")
+            out = row.get("output_len")
+            if out is not None and (not isinstance(out, int) or isinstance(out, bool)
+                                    or out < 1):
+                raise ValueError(f"{path}:{number}: 'output_len' must be an integer >= 1")
+            length = len(prompt) if ids else len(prompt.split())
+            rows.append((prompt, length, out))
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
 
 
 def _flat(groups: Sequence[Sequence[float]] | None) -> list[float]:
@@ -165,6 +204,14 @@ def build_workload(args: argparse.Namespace, rate: float | None, salt: int = 0,
     """
     n = n or args.num_requests or DEFAULT_N[args.dataset]
     open_rate = rate if rate is not None and not math.isinf(rate) else None
+    if args.dataset == "file":
+        rng = np.random.default_rng(args.seed)
+        arrivals = (arrival_times(n, open_rate, args.burstiness, rng) if open_rate
+                    else np.zeros(n))
+        rows = read_prompt_file(args.dataset_path)
+        picked = [rows[(salt * n + i) % len(rows)] for i in range(n)]
+        return [RequestSpec(length, out or args.output_len, float(t), prompt)
+                for (prompt, length, out), t in zip(picked, arrivals)]
     if args.dataset == "long-tail":
         mix = long_tail_mix(n, seed=args.seed, rate=open_rate, burstiness=args.burstiness)
         shapes = [(r.prompt_len, r.output_len, r.arrival) for r in mix]
@@ -307,7 +354,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "client_host": platform.node(), "url": endpoint.url, "model": endpoint.model,
         "model_from": "--model" if args.model else ("/v1/models" if model else "fallback"),
         "endpoint": args.endpoint, "mode": mode, "loads": loads, "num_requests": n,
-        "num_warmups": args.num_warmups, "dataset": args.dataset, "input_len": args.input_len,
+        "num_warmups": args.num_warmups, "dataset": args.dataset,
+        "dataset_path": args.dataset_path, "input_len": args.input_len,
         "output_len": args.output_len, "range_ratio": args.range_ratio,
         "prompt_kind": args.prompt_kind or ("ids" if args.endpoint == "completions" else "text"),
         "ignore_eos": args.ignore_eos, "seed": args.seed, "burstiness": args.burstiness,

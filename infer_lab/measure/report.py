@@ -17,6 +17,9 @@ def describe(meta: dict[str, Any]) -> str:
     """One line that says what was measured: mode, N, lengths, seed, repeats (for every output)."""
     if meta["dataset"] == "long-tail":
         lengths = str(LONG_TAIL)
+    elif meta["dataset"] == "file":
+        lengths = (f"prompts of {meta.get('dataset_path')} / output as each line says "
+                   f"(else {meta['output_len']}) tokens")
     else:
         rr = f" ±{meta['range_ratio']:.0%}" if meta["range_ratio"] else ""
         lengths = f"input {meta['input_len']}{rr} / output {meta['output_len']}{rr} tokens"
