@@ -53,7 +53,9 @@ missing = [line for line in printed.splitlines() if "is not here (set INFER_LAB_
 if missing:
     print("committed results the chapter could not find:", *missing, sep="\n  ")
     sys.exit(1)
-print(f"{len(nb.cells)} cells in {time.time() - start:.0f} s")
+quoted = sorted({line.split(":")[0] for line in printed.splitlines() if ", commit " in line})
+print(f"{len(nb.cells)} cells in {time.time() - start:.0f} s; committed results read: "
+      f"{', '.join(quoted) or 'none'}")
 '''
 
 
@@ -136,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                                   cwd=content)
             ok = proc.returncode == 0
             results.append((nb.stem, ok, time.time() - start))
+            last = proc.stdout.strip().splitlines()[-1:] if ok else []
             print(f"colab-check {nb.stem}: {'ok' if ok else 'FAILED'} "
-                  f"({time.time() - start:.0f} s)", flush=True)
+                  f"({time.time() - start:.0f} s{'; ' + last[0] if last else ''})", flush=True)
             if not ok:
                 print((proc.stdout + proc.stderr)[-4000:], flush=True)
             subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "infer_lab"],
