@@ -103,7 +103,8 @@ colab-check:
 # nbval again with bf16 as the default dtype, on the chapters whose checks depend on it
 # (exact comparisons become tolerances or the near-tie rule there). Every chapter passes this
 # way; the others only print numbers that change with the dtype. Timed on 2 shared cores:
-# 02 64 s, 03 35 s, 04 39 s, 05 162 s, 10 49 s, 11 49-80 s. (Chapter 9 pins its models to fp32.)
+# 02 64 s, 03 35 s, 04 39 s, 05 162 s, 10 49 s, 11 49-80 s; all six 87 s in a quiet fresh-clone
+# CI run. (Chapter 9 pins its models to fp32.)
 BF16_CHAPTERS ?= chapters/02_kv_cache.ipynb chapters/03_paged_kv_cache.ipynb \
 	chapters/04_gpu_kernels.ipynb chapters/05_continuous_batching.ipynb \
 	chapters/10_beyond_one_machine.ipynb chapters/11_structured_output.ipynb
