@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +44,24 @@ def running(app, **options) -> Iterator[str]:  # noqa: ANN001, ANN003
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+
+
+def serve_process(port: int, *extra: str, stdout: int = subprocess.DEVNULL) -> subprocess.Popen:
+    """``infer-lab serve`` on the bundled model as a child process (signals, limits and exits
+    are the real ones), returned once ``/health`` answers; fails with its stderr if it dies."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer_lab.cli", "serve", "--port", str(port), "--device", "cpu",
+         *extra], stdout=stdout, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
 
 
 def metric(base: str, name: str, prefix: str = "infer_lab", **headers: str) -> float:

@@ -6,32 +6,17 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import threading
-import time
 
 import httpx
 
 from infer_lab.serve import routes
 from infer_lab.serve.server import make_app
-from tests.live_server import free_port, running, wait_for
+from tests.live_server import free_port, running, serve_process, wait_for
 
 
 def start_server(port: int, *extra: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "infer_lab.cli", "serve", "--port", str(port), "--device", "cpu",
-         "--num-kv-blocks", "32", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()[1]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
+    return serve_process(port, "--num-kv-blocks", "32", *extra)
 
 
 def hold_a_slot(port: int) -> socket.socket:

@@ -10,30 +10,16 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
-from tests.live_server import free_port
+from tests.live_server import free_port, serve_process
 
 
 def start_server(port: int, grace: float) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "infer_lab.cli", "serve", "--port", str(port), "--device", "cpu",
-         "--num-kv-blocks", "128", "--shutdown-grace", str(grace)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()[1]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
+    return serve_process(port, "--num-kv-blocks", "128", "--shutdown-grace", str(grace),
+                         stdout=subprocess.PIPE)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
