@@ -44,6 +44,20 @@ def definitions(source: str) -> str:
     return ast.unparse(tree)
 
 
+def assert_checks(namespace: dict[str, Any], cases: list[tuple[str, Any, list[Any]]],
+                  unpack: bool = False) -> None:
+    """Each check passes its right answer and raises AssertionError on every wrong one
+    (``unpack``: the answers are argument tuples)."""
+    def args(answer: Any) -> tuple:
+        return tuple(answer) if unpack else (answer,)
+
+    for name, right, wrongs in cases:
+        namespace[name](*args(right))
+        for wrong in wrongs:
+            with pytest.raises(AssertionError):
+                namespace[name](*args(wrong))
+
+
 def run_cells(namespace: dict[str, Any], *sources: str) -> dict[str, Any]:
     for source in sources:
         exec(compile(source, "<chapter cell>", "exec"), namespace)  # noqa: S102
@@ -149,11 +163,7 @@ def test_ch03_checks_fail_on_wrong_answers_and_pass_the_solutions(ch3):
         ("check_3", (256, 70), [(240, 70), (256, 39), (256, 256)]),  # 39: a partial block shared
         ("check_4", (3,), [(6,), (4,), (0,)]),
     ]
-    for name, right, wrongs in cases:
-        ch3[name](*right)
-        for wrong in wrongs:
-            with pytest.raises(AssertionError):
-                ch3[name](*wrong)
+    assert_checks(ch3, cases, unpack=True)
 
 
 # -------------------------------------------------------------------------------- chapter 5
@@ -319,11 +329,7 @@ def test_ch01_checks_fail_on_wrong_answers_and_pass_the_solutions(ch1, capsys):
         ("check_2", intensity, [intensity / 2, 2 * intensity]),  # fp32, 1 byte per weight
         ("check_3", kv, [kv // 2, kv // 32, kv * 2]),  # K only, one sequence, fp32
     ]
-    for name, right, wrongs in cases:
-        ch1[name](right)
-        for wrong in wrongs:
-            with pytest.raises(AssertionError):
-                ch1[name](wrong)
+    assert_checks(ch1, cases)
     assert capsys.readouterr().out.count("right") == 3
 
 
@@ -365,11 +371,7 @@ def test_ch08_checks_fail_on_wrong_answers_and_pass_the_solutions(ch8, capsys):
         ("check_2", ratio, [1.0, 1 / ratio, ratio**2]),  # ... equal, inverted, the MSE ratio
         ("check_3", kv, [kv / 2, 2 * 32 * 8 * 64, 2 * 32 * 8 * (128 + 2)]),  # K only, no scale,
     ]  # int8 codes
-    for name, right, wrongs in cases:
-        ch8[name](right)
-        for wrong in wrongs:
-            with pytest.raises(AssertionError):
-                ch8[name](wrong)
+    assert_checks(ch8, cases)
     assert capsys.readouterr().out.count("right") == 3
 
 
@@ -418,11 +420,7 @@ def test_ch02_checks_fail_on_wrong_answers_and_pass_the_solutions(ch2):
         ("check_2", tokens, [tokens / 2, tokens * 2]),
         ("check_3", batch, [decimal, batch * 2, batch + 1]),
     ]
-    for name, right, wrongs in cases:
-        ch2[name](right)
-        for wrong in wrongs:
-            with pytest.raises(AssertionError):
-                ch2[name](wrong)
+    assert_checks(ch2, cases)
     for marker in ("# Solution 1.", "# Solution 2.", "# Solution 3."):
         run_cells(dict(ch2), cell_with(CH2, marker))  # each solution passes its check
 
@@ -464,14 +462,10 @@ def test_ch04_checks_accept_an_unanswered_exercise(ch4, capsys):
 def test_ch04_checks_fail_on_wrong_answers_and_pass_the_solutions(ch4, capsys):
     import torch
 
-    for name, right, wrongs in [
+    assert_checks(ch4, [
         ("check_1", 5 / 3, [2.0, 1.5, 7 / 3]),  # 2: fused reads x twice; 7/3: eager reads 2n twice
         ("check_3", 33, [32, 66, 64, 17]),  # 32 leaves programs short; 66, 64: auto_splits' aim
-    ]:
-        ch4[name](right)
-        for wrong in wrongs:
-            with pytest.raises(AssertionError):
-                ch4[name](wrong)
+    ])
 
     def no_rescale(a, b):  # adds the parts as if they shared a maximum
         return torch.maximum(a[0], b[0]), a[1] + b[1], a[2] + b[2]
@@ -520,11 +514,7 @@ def test_ch09_checks_fail_on_wrong_answers_and_pass_the_solutions(ch9, capsys):
         # ... sum of max(p, q), the product of the kept mass, sum of p * q
         ("check_3", 0.6, [1.4, 0.2 * 0.3 * 0.1, 0.6 * 0.2 + 0.3 * 0.5 + 0.1 * 0.3]),
     ]
-    for name, right, wrongs in cases:
-        ch9[name](right)
-        for wrong in wrongs:
-            with pytest.raises(AssertionError):
-                ch9[name](wrong)
+    assert_checks(ch9, cases)
     assert capsys.readouterr().out.count("right") == 3
 
 
@@ -583,9 +573,5 @@ def test_ch11_checks_fail_on_wrong_answers_and_pass_the_solutions(ch11, capsys):
             r"([01][0-9]|2[0-3]):[0-5][0-9]+",  # 12:300
         ]),
     ]
-    for name, right, wrongs in cases:
-        ch11[name](right)
-        for wrong in wrongs:
-            with pytest.raises(AssertionError):
-                ch11[name](wrong)
+    assert_checks(ch11, cases)
     assert capsys.readouterr().out.count("right") == 3
