@@ -7,6 +7,7 @@ import torch
 
 import infer_lab as il
 from infer_lab.engine import LLMEngine
+from infer_lab.engine.step_sampler import SampledTokens
 from tests.engine_fixtures import assert_no_leak, varied_prompts
 from tests.helpers import make_checkpoint
 
@@ -29,16 +30,14 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
                                                             ignore_eos=True))
         engine.step()  # the prefill (eager in both)
         outs = []
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished_requests():  # step() with the logits kept, greedy
             sched = engine.scheduler.schedule()
-            got, seqs = engine.runner.execute(sched)
+            got, seqs = engine.executor.execute_model(sched)
             outs.append(got.float().cpu())
-            for seq, n in zip(sched.seqs, sched.num_new):
-                seq.num_computed += n
-            toks = got.argmax(-1).tolist()
-            for seq, t in zip(seqs, toks):
-                engine._append(seq, t, 0.0)
-            engine.scheduler.finish([s for s in seqs if s.is_finished])
+            engine.scheduler.update_after_forward(sched, 0.0)
+            sampled = SampledTokens(seqs, [[(t, None)] for t in got.argmax(-1).tolist()])
+            engine.scheduler.update_from_output(sampled, 0.0)
+            engine.scheduler.retire(sched, sampled, {}, 0.0)
             for r in [r for r in engine.requests.values() if r.is_finished]:
                 engine.requests.pop(r.request_id)
         assert_no_leak(engine)

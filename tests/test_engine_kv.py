@@ -72,6 +72,7 @@ def test_fork_copies_a_shared_partial_block_before_writing():
     computed(kv, parent)
     child = seq([1, 2, 3, 4, 5, 6], sid=1)
     kv.fork(parent, child)
+    child.num_computed = parent.num_computed  # the scheduler's part of a fork
     assert kv.ref_count(parent.block_table[1]) == 2
     assert kv.allocate_slots(child, 1)  # writes into block 1: must get its own copy
     assert kv.pending_copies == [(parent.block_table[1], child.block_table[1])]
@@ -153,6 +154,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         child = seq(list(parent.token_ids), self.next_id)
         self.kv.fork(parent, child)
+        child.num_computed = parent.num_computed  # the scheduler's part of a fork
         self.live[child.seq_id] = child
         return child
 

@@ -170,6 +170,22 @@ def test_bundled_model_tp2_greedy_equals_one_process() -> None:
         assert_greedy_equal(a, b, logits_after(single.model, ids))
 
 
+def test_dropping_the_engine_stops_its_workers() -> None:
+    """``del llm`` is enough (a notebook drops engines this way): no process outlives it."""
+    import gc
+
+    import infer_lab as il
+
+    llm = il.LLM(device="cpu", dtype="float32", tensor_parallel_size=2, num_kv_blocks=16)
+    procs = list(llm.engine.model.tp_workers.procs)
+    assert all(p.poll() is None for p in procs)
+    del llm
+    gc.collect()
+    for p in procs:  # the finalizer stops them now; waits are generous for a loaded machine
+        p.wait(timeout=120)
+    assert all(p.poll() is not None for p in procs)
+
+
 def test_smollm2_tp3_greedy_equals_one_process() -> None:
     import infer_lab as il
     from tests.engine_fixtures import logits_after

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from infer_lab.cache.kv_quant import KV_CACHE_DTYPES  # the one list; the cache defines it
+from infer_lab.utils import check_positive_int
 
-POLICIES = ("continuous", "static")
+Policy = Literal["continuous", "static"]
+POLICIES: tuple[str, ...] = get_args(Policy)  # the one list of policies
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    policy: str = "continuous"
+    policy: Policy = "continuous"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     use_cuda_graphs: bool | None = None
@@ -57,10 +59,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                check_positive_int(name, getattr(self, name))
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
@@ -89,10 +91,3 @@ class EngineConfig:
 
     def replace(self, **kwargs: Any) -> EngineConfig:
         return self.from_kwargs(self, **kwargs)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")

@@ -17,7 +17,8 @@ cached block is handed out again). This manager adds three things:
 
 Forked sequences (parallel samples) share every block; a sequence about to write into a shared,
 partly filled last block first gets its own copy (copy-on-write). The copies are collected in
-``pending_copies`` for the runner to perform before the next forward.
+``pending_copies``; the scheduler takes them (:meth:`take_pending_copies`) into the step's output,
+and the executor performs them before the next forward.
 """
 
 from __future__ import annotations
@@ -66,15 +67,21 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return self.pool.num_cached_blocks
 
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The ``(src, dst)`` block copies owed since the last call (and forget them)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
     def ref_count(self, block: int) -> int:
         return self.pool.ref_count(block)
 
     def block_keys(self, seq: Sequence, upto: int) -> list[BlockKey]:
         """Keys of ``seq``'s first ``upto`` full blocks (computed once, kept on the sequence)."""
-        keys, bs, tokens = seq.block_keys, self.block_size, seq.token_ids
+        keys, block_size, tokens = seq.block_keys, self.block_size, seq.token_ids
         while len(keys) < upto:
             i = len(keys)
-            keys.append(block_key(keys[i - 1] if i else None, tokens[i * bs : (i + 1) * bs]))
+            start = i * block_size
+            keys.append(block_key(keys[i - 1] if i else None, tokens[start : start + block_size]))
         return keys
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
@@ -106,16 +113,16 @@ class KVCacheManager:
         become the table's first blocks. Returns False, changing nothing, when the free blocks
         (less ``reserve``) do not suffice.
         """
-        table, bs, pool = seq.block_table, self.block_size, self.pool
+        table, block_size, pool = seq.block_table, self.block_size, self.pool
         if computed_blocks:
             if table:
                 raise ValueError("computed prefix blocks can only start an empty block table")
-            computed = len(computed_blocks) * bs
+            computed = len(computed_blocks) * block_size
             revive = sum(1 for b in computed_blocks if pool.ref_count(b) == 0)
         else:
             computed, revive = seq.num_computed, 0
-        fresh = cdiv(computed + num_new, bs) - max(len(table), len(computed_blocks))
-        cow = seq.shared_tail and computed % bs != 0 and pool.ref_count(table[-1]) > 1
+        fresh = cdiv(computed + num_new, block_size) - max(len(table), len(computed_blocks))
+        cow = seq.shared_tail and computed % block_size != 0 and pool.ref_count(table[-1]) > 1
         if fresh <= 0 and not cow:
             return True  # the hot path of a decode step: room in the last block
         if max(fresh, 0) + cow + revive + reserve > pool.num_free_blocks:
@@ -155,7 +162,6 @@ class KVCacheManager:
         """``child`` shares all of ``parent``'s blocks (parallel samples of one prompt)."""
         self.pool.touch(parent.block_table)
         child.block_table = list(parent.block_table)
-        child.num_computed = parent.num_computed
         child.block_keys = list(parent.block_keys)
         child.num_cached_blocks = parent.num_cached_blocks
         parent.shared_tail = child.shared_tail = True

@@ -13,14 +13,13 @@ new. A table's entries are only ever appended (the KV manager puts a new list on
 any other change), so "same list, same length" means "row up to date". The rest (positions,
 slot mapping, sequence offsets) is a few numpy vector ops in the builder.
 
-On CUDA, decode-only steps replay CUDA graphs captured once per batch size (1, 2, 4, 8, 16, ...;
-a batch is padded up to the next captured size with rows that write into a scratch block): a
-graph launches the whole forward's hundreds of kernels in one call.
+On CUDA, decode-only steps replay CUDA graphs captured once per batch size
+(:mod:`~infer_lab.engine.cuda_graphs`): a graph launches the whole forward's hundreds of kernels
+in one call.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -30,19 +29,13 @@ from infer_lab.cache.batch import PagedBatch, flatten_batch
 from infer_lab.cache.kv_quant import attention_backend_for, make_paged_kv_cache
 from infer_lab.cache.paged import PagedAttentionContext
 from infer_lab.engine.config import EngineConfig
+from infer_lab.engine.cuda_graphs import CUDAGraphs, graph_batch_sizes
 from infer_lab.engine.scheduler import SchedulerOutput
 from infer_lab.engine.sequence import Sequence
 from infer_lab.model.transformer import Transformer
 from infer_lab.utils import cdiv
 
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionContext], torch.Tensor]
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then steps of 16 up to ``max_num_seqs`` (the sizes vLLM captures, roughly)."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
-    sizes += list(range(16, max_num_seqs, 16))
-    return sorted(set(sizes + [max_num_seqs]))
 
 
 class ModelRunner:
@@ -56,15 +49,15 @@ class ModelRunner:
         if config.num_kv_blocks is None or config.max_model_len is None:
             raise ValueError("the runner needs a resolved config (num_kv_blocks, max_model_len)")
         self.model, self.device, self.config = model, model.device, config
-        num_blocks, bs, max_num_seqs = (config.num_kv_blocks, config.block_size,
-                                        config.max_num_seqs)
+        num_blocks, block_size = config.num_kv_blocks, config.block_size
+        max_num_seqs = config.max_num_seqs
         # One extra block past the pool: a scratch block where filler rows (static batching's
         # padding, CUDA-graph padding) write K/V nobody reads.
-        self.cache = make_paged_kv_cache(model.config, num_blocks + 1, bs, self.device,
+        self.cache = make_paged_kv_cache(model.config, num_blocks + 1, block_size, self.device,
                                          model.dtype, config.kv_cache_dtype)  # 8-bit: Ch. 8
         self.attn_backend = attention_backend_for(self.cache, None)
         self.scratch = num_blocks
-        self.max_blocks = cdiv(config.max_model_len, bs)
+        self.max_blocks = cdiv(config.max_model_len, block_size)
         self.filler_row = max_num_seqs
         self.block_table = np.full((max_num_seqs + 1, self.max_blocks), self.scratch, np.int64)
         # Per row: the table list last copied into it, and how many of its entries.
@@ -74,10 +67,21 @@ class ModelRunner:
         use_cuda_graphs = config.use_cuda_graphs
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.graph_error: str | None = None
+        self.cuda_graphs: CUDAGraphs | None = None
         if use_cuda_graphs:
-            self.capture_cuda_graphs(graph_batch_sizes(max_num_seqs))
+            self.cuda_graphs = CUDAGraphs(model, self.cache, self.attn_backend, block_size,
+                                          self.scratch, self.max_blocks, config.max_model_len)
+            self.cuda_graphs.capture(graph_batch_sizes(max_num_seqs), self.device)
+
+    @property
+    def graphs(self) -> dict:
+        """The captured decode graphs by batch size (empty: eager)."""
+        return self.cuda_graphs.graphs if self.cuda_graphs is not None else {}
+
+    @property
+    def graph_error(self) -> str | None:
+        """Why capture failed, if it did."""
+        return self.cuda_graphs.error if self.cuda_graphs is not None else None
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, out: SchedulerOutput) -> tuple[PagedBatch, list[Sequence]]:
@@ -115,6 +119,20 @@ class ModelRunner:
             if complete:
                 sampled.append(seq)
         lens = list(out.num_new)
+        self._add_fillers(out, starts, rows, lens, ids, wants)
+        batch = flatten_batch(
+            ids, np.asarray(starts, np.int64), np.asarray(lens, np.int64), bt,
+            np.asarray(rows, np.int64), self.config.block_size, self.device,
+            None if len(sampled) == len(wants) else np.asarray(wants, bool),
+        )
+        if spec_rows:  # logits at every proposed position too, not only the chunk's last
+            batch.logits_indices = self._spec_logits_indices(lens, wants, spec_rows)
+        return batch, sampled
+
+    def _add_fillers(self, out: SchedulerOutput, starts: list[int], rows: list[int],
+                     lens: list[int], ids: list[int], wants: list[bool]) -> None:
+        """Static batching's rows that compute nothing anyone reads: prefill padding, and the
+        slots of finished requests in a decode step. They write to the scratch block."""
         fillers = [p for p in out.pad_tokens if p > 0] + ([out.num_idle] if out.num_idle else [])
         if fillers:
             starts += [0] * len(fillers)
@@ -122,91 +140,33 @@ class ModelRunner:
             lens += fillers
             ids += [0] * sum(fillers)
             wants += [False] * len(fillers)
-        batch = flatten_batch(
-            ids, np.asarray(starts, np.int64), np.asarray(lens, np.int64), bt,
-            np.asarray(rows, np.int64), self.config.block_size, self.device,
-            None if len(sampled) == len(wants) else np.asarray(wants, bool),
-        )
-        if spec_rows:  # logits at every proposed position too, not only the chunk's last
-            ends = np.cumsum(lens)
-            idx: list[int] = []
-            for b, want in enumerate(wants):
-                if want:
-                    k = spec_rows.get(b, 0)
-                    idx += range(int(ends[b]) - 1 - k, int(ends[b]))
-            batch.logits_indices = torch.tensor(idx, dtype=torch.long, device=self.device)
-        return batch, sampled
+
+    def _spec_logits_indices(self, lens: list[int], wants: list[bool],
+                             spec_rows: dict[int, int]) -> torch.Tensor:
+        """Logits rows: the last token of each wanted chunk, and each proposal before it."""
+        ends = np.cumsum(lens)
+        idx: list[int] = []
+        for b, want in enumerate(wants):
+            if want:
+                k = spec_rows.get(b, 0)
+                idx += range(int(ends[b]) - 1 - k, int(ends[b]))
+        return torch.tensor(idx, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step; returns logits ``[len(sampled), vocab]`` and the sampled sequences."""
-        if out.block_copies:
-            self.cache.copy_blocks(out.block_copies)
-            workers = getattr(self.model, "tp_workers", None)  # tensor parallel: the other ranks
-            if workers is not None:
-                workers.copy_blocks(self.cache, out.block_copies)
+        """Run one step; returns logits ``[rows, vocab]`` and the sampled sequences.
+
+        The block copies the step owes (``out.block_copies``) are the executor's to perform
+        first (:meth:`copy_blocks`), so that tensor-parallel ranks copy theirs too.
+        """
         batch, sampled = self.prepare(out)
-        n = batch.num_seqs
-        if self.graphs and batch.num_tokens == n and len(sampled) == n and n <= max(self.graphs):
-            return self._replay(batch), sampled
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_replay(batch, len(sampled)):
+            return graphs.replay(batch), sampled
         ctx = PagedAttentionContext(self.cache, batch, backend=self.attn_backend)
         return self.forward(batch.input_ids, batch.positions, ctx), sampled
 
-    # ------------------------------------------------------------------ CUDA graphs
-    def capture_cuda_graphs(self, sizes: list[int]) -> None:
-        """Capture one decode forward per batch size; on failure, stay eager and say why.
-
-        A captured batch reads its index tensors from fixed buffers (int32, as the builder makes
-        them); its host-side ``max_context_len`` is ``max_model_len``, an upper bound that holds
-        for every batch the graph will replay.
-        """
-        dev, biggest, bs = self.device, max(sizes), self.config.block_size
-        i32 = torch.int32
-        self._g_ids = torch.zeros(biggest, dtype=torch.long, device=dev)
-        self._g_pos = torch.zeros(biggest, dtype=torch.long, device=dev)
-        self._g_slots = torch.full((biggest,), self.scratch * bs, dtype=i32, device=dev)
-        self._g_ctx = torch.ones(biggest, dtype=i32, device=dev)
-        self._g_bt = torch.full((biggest, self.max_blocks), self.scratch, dtype=i32, device=dev)
-        self._g_cu = torch.arange(biggest + 1, dtype=i32, device=dev)
-        self._g_logits = torch.arange(biggest, dtype=torch.long, device=dev)
-        pool = None
-        try:
-            for b in sorted(sizes, reverse=True):
-                batch = PagedBatch(self._g_ids[:b], self._g_pos[:b], self._g_slots[:b],
-                                   self._g_bt[:b], self._g_ctx[:b], self._g_cu[: b + 1],
-                                   self._g_logits[:b], bs, max_query_len=1,
-                                   max_context_len=self.config.max_model_len)
-                ctx = PagedAttentionContext(self.cache, batch, backend=self.attn_backend)
-                with torch.inference_mode():
-                    self.model(batch.input_ids, batch.positions, ctx)  # warm-up, outside capture
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        logits = self.model(batch.input_ids, batch.positions, ctx)
-                pool = graph.pool()
-                self.graphs[b] = (graph, logits)
-        except Exception as e:  # an attention backend that syncs with the host cannot be captured
-            self.graphs.clear()
-            self.graph_error = f"{type(e).__name__}: {e}"
-            warnings.warn(f"CUDA graphs disabled, decode runs eagerly ({self.graph_error})",
-                          stacklevel=2)
-
-    def _replay(self, batch: PagedBatch) -> torch.Tensor:
-        n = batch.num_seqs
-        size = min(b for b in self.graphs if b >= n)
-        width = batch.block_tables.shape[1]
-        self._g_ids[:n].copy_(batch.input_ids)
-        self._g_pos[:n].copy_(batch.positions)
-        self._g_slots[:n].copy_(batch.slot_mapping)
-        self._g_ctx[:n].copy_(batch.context_lens)
-        self._g_bt[:n, :width].copy_(batch.block_tables)
-        if size > n:  # padding rows: one token at position 0, written to the scratch block
-            self._g_ids[n:size].zero_()
-            self._g_pos[n:size].zero_()
-            self._g_slots[n:size].fill_(self.scratch * self.config.block_size)
-            self._g_ctx[n:size].fill_(1)
-            self._g_bt[n:size].fill_(self.scratch)
-        graph, logits = self.graphs[size]
-        graph.replay()
-        return logits[:n]
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each ``(src, dst)`` block's K/V into ``dst`` before the forward."""
+        self.cache.copy_blocks(pairs)

@@ -4,6 +4,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_ERROR_LEN = 300  # characters of an exception's text kept in a failed request's error
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the engine failed one request alone: the stage (``"sampling"``,
+    ``"log-probabilities"``, ``"its new token"``, ``"its output"``) and the exception's text.
+
+    A server maps it to a response by its fields, never by parsing the message; ``str()`` is the
+    message a person reads, and ``"sampling" in failure`` searches it.
+    """
+
+    stage: str
+    detail: str
+
+    @classmethod
+    def from_exception(cls, stage: str, error: BaseException) -> RequestFailure:
+        return cls(stage, f"{type(error).__name__}: {error}"[:MAX_ERROR_LEN])
+
+    def __str__(self) -> str:
+        return f"the engine failed this request ({self.stage}): {self.detail}"
+
+    def __contains__(self, text: str) -> bool:
+        return text in str(self)
+
+
+@dataclass
+class SpecDecodeCounts:
+    """Speculative decoding's counters (vLLM's ``spec_decode`` names): verification forwards
+    that carried proposals, tokens proposed, and tokens of those the target accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+
 
 class SpecDecodeRates:
     """Rates from the speculative-decoding counters (``spec_num_*``) of the class using it."""
@@ -99,7 +139,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    error: str | None = None
+    error: RequestFailure | None = None
 
     @property
     def text(self) -> str:

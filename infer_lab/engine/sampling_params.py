@@ -75,33 +75,7 @@ class SamplingParams:
     max_stop_len: int = field(init=False, repr=False)  # text a stream holds back
 
     def __post_init__(self) -> None:
-        if _integer("n", self.n) < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if _integer("max_tokens", self.max_tokens) < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        temperature = _number("temperature", self.temperature)
-        if not 0 <= temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
-                             f"{self.temperature}")
-        if _integer("top_k", self.top_k) < -1:
-            raise ValueError(f"top_k must be -1, 0 (both: no limit) or positive, got {self.top_k}")
-        top_p = _number("top_p", self.top_p)
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not 0 <= _integer("seed", self.seed) <= INT64_MAX:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        lo, hi = PENALTY_RANGE
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not lo <= _number(name, getattr(self, name)) <= hi:
-                raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {getattr(self, name)}")
-        lo, hi = REPETITION_PENALTY_RANGE
-        if not lo <= _number("repetition_penalty", self.repetition_penalty) <= hi:
-            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1: off), got "
-                             f"{self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= _integer("logprobs", self.logprobs) <= (
-                MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got "
-                             f"{self.logprobs}")
+        self._check_numbers()
         for name in ("ignore_eos", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -111,15 +85,37 @@ class SamplingParams:
                             f"{type(self.structured_outputs).__name__}")
         self.stop_strings = _stop_strings(self.stop)
         self.max_stop_len = max((len(s) for s in self.stop_strings), default=0)
-        ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-            raise TypeError(f"stop_token_ids must be a list of token ids, got {ids!r}")
-        if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
-        self.stop_token_ids = list(ids)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+
+    def _check_numbers(self) -> None:
+        if _integer("n", self.n) < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if _integer("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= _number("temperature", self.temperature) <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
+                             f"{self.temperature}")
+        if _integer("top_k", self.top_k) < -1:
+            raise ValueError(f"top_k must be -1, 0 (both: no limit) or positive, got {self.top_k}")
+        if not 0 < _number("top_p", self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= _integer("seed", self.seed) <= INT64_MAX:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.logprobs is not None and not 0 <= _integer("logprobs", self.logprobs) <= (
+                MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got "
+                             f"{self.logprobs}")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        lo, hi = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not lo <= _number(name, getattr(self, name)) <= hi:
+                raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {getattr(self, name)}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= _number("repetition_penalty", self.repetition_penalty) <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1: off), got "
+                             f"{self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
@@ -168,3 +164,16 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
             raise ValueError(f"a stop string is at most {MAX_STOP_STRING_LEN} characters, got "
                              f"one of {len(s)}")
     return tuple(dict.fromkeys(stops))
+
+
+def _stop_token_ids(ids: object) -> list[int]:
+    if ids is None:
+        return []
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise TypeError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX:
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+    return list(ids)

@@ -8,6 +8,13 @@ A sequence's tokens are its prompt plus what it generated. ``num_computed`` of t
 the cache; the rest (a prompt not yet prefilled, or the last sampled token) are what the next
 steps compute. Preemption by recompute just sets ``num_computed`` back to 0: the tokens stay, so
 the resumed sequence continues exactly where it stopped.
+
+Every field has one writer, named beside it: the engine (when it makes the sequence), the
+:class:`~infer_lab.engine.scheduler.Scheduler` (tokens, status, accounting), the
+:class:`~infer_lab.engine.kv_cache_manager.KVCacheManager` (blocks), the
+:class:`~infer_lab.engine.spec_decode.SpeculativeDecoder` (proposals) or the
+:class:`~infer_lab.engine.output_processor.OutputProcessor` (text and what was handed out).
+Everyone else only reads.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infer_lab.cache.block_pool import BlockKey
-from infer_lab.engine.outputs import TokenLogprobs
+from infer_lab.engine.outputs import SpecDecodeCounts, TokenLogprobs
 from infer_lab.engine.sampling_params import SamplingParams
 from infer_lab.engine.stop import StopMatcher
 from infer_lab.model.tokenizer import IncrementalDetokenizer
@@ -34,39 +41,40 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One stream of tokens (one sample of a request) and its place in the KV cache."""
 
+    # Set once, by the engine, when the sequence is made.
     seq_id: int
     request: Request
     index: int  # which of the request's n samples
-    token_ids: list[int]
+    token_ids: list[int]  # Scheduler: appended as tokens are accepted, cut at a stop string
     num_prompt_tokens: int
+    generator: torch.Generator | None = None  # the request's seed (drawn from, never replaced)
+    detokenizer: IncrementalDetokenizer | None = None
+    # Scheduler.
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
-    # Written by the KV manager only. Entries are appended; any other change is a new list.
+    slot: int = -1  # batch slot while running (the runner keys its rows by it)
+    num_preemptions: int = 0
+    spec_slots: int = 0  # lookahead slots granted this step for proposals
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    # KVCacheManager. Table entries are appended; any other change is a new list.
     block_table: list[int] = field(default_factory=list)
     block_keys: list[BlockKey] = field(default_factory=list)  # prefix keys of full blocks
     num_cached_blocks: int = 0  # full blocks already named in the prefix cache
     shared_tail: bool = False  # the last block may be shared (after a fork): copy before writing
-    slot: int = -1  # batch slot while running (the scheduler's; the runner keys its rows by it)
-    generator: torch.Generator | None = None
-    detokenizer: IncrementalDetokenizer | None = None
+    # SpeculativeDecoder: this step's proposals (node tokens of the draft tree, in order; a
+    # chain for the proposers here), a sampled draft's q row at each, how far a draft model's
+    # own cache is filled, and the counts.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: list[torch.Tensor] = field(default_factory=list)
+    draft_computed: int = 0
+    spec_counts: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
+    # OutputProcessor.
     text: str = ""
     emitted_text_len: int = 0  # characters already handed out in step deltas
     emitted_tokens: int = 0  # tokens already handed out in step deltas
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    token_times: list[float] = field(default_factory=list)
-    num_preemptions: int = 0
+    token_times: list[float] = field(default_factory=list)  # when each output token was taken
     logprobs: list[TokenLogprobs] | None = None  # one per output token, if the request asked
-    # Speculative decoding: lookahead slots the scheduler granted this step, the proposals the
-    # engine put in them (with the draft's distribution at each, if it sampled them), how far a
-    # draft model's own cache is filled, and the counts.
-    spec_slots: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
-    spec_probs: list[torch.Tensor] = field(default_factory=list)  # a sampled draft's q rows
-    draft_computed: int = 0
-    spec_proposed: int = 0
-    spec_accepted: int = 0
-    spec_steps: int = 0  # verification forwards that carried proposals
 
     @property
     def num_tokens(self) -> int:
@@ -89,15 +97,17 @@ class Sequence:
 class Request:
     """A prompt and its sampling settings, with its samples and its timings."""
 
+    # Set once, by the engine, in ``add_request``.
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
     stop_ids: frozenset[int]
-    seqs: list[Sequence] = field(default_factory=list)
-    forked: bool = False  # the n samples exist (n == 1: from the start)
     stop_matcher: StopMatcher | None = None  # its stop strings, if any
+    seqs: list[Sequence] = field(default_factory=list)  # engine: the first, then the forks
+    # Scheduler.
+    forked: bool = False  # the n samples exist (n == 1: from the start)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

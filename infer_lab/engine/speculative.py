@@ -112,16 +112,20 @@ class SpeculativeConfig:
         if cfg.draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"speculative_config draft_sampling must be one of "
                              f"{DRAFT_SAMPLING}, got {cfg.draft_sampling!r}")
-        if method == "ngram":
-            _int_in("prompt_lookup_min", cfg.prompt_lookup_min, 1, 1 << 10)
-            _int_in("prompt_lookup_max", cfg.prompt_lookup_max, cfg.prompt_lookup_min, 1 << 10)
-        elif method == "draft_model" and cfg.model is None:
-            raise ValueError("method 'draft_model' needs 'model' (a path or a model name)")
-        elif method == "early_exit":
-            if cfg.num_layers is None:
-                raise ValueError("method 'early_exit' needs 'num_layers'")
-            _int_in("num_layers", cfg.num_layers, 1, 1 << 16)
+        cfg._check_method()
         return cfg
+
+    def _check_method(self) -> None:
+        """The keys each method needs, in range."""
+        if self.method == "ngram":
+            _int_in("prompt_lookup_min", self.prompt_lookup_min, 1, 1 << 10)
+            _int_in("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 1 << 10)
+        elif self.method == "draft_model" and self.model is None:
+            raise ValueError("method 'draft_model' needs 'model' (a path or a model name)")
+        elif self.method == "early_exit":
+            if self.num_layers is None:
+                raise ValueError("method 'early_exit' needs 'num_layers'")
+            _int_in("num_layers", self.num_layers, 1, 1 << 16)
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> None:
@@ -278,7 +282,7 @@ def make_proposer(cfg: SpeculativeConfig, target: nn.Module, engine_config: Any)
     """The proposer of ``cfg.method`` for ``target`` (loads a draft model by name if needed)."""
     if cfg.method == "ngram":
         return NgramProposer(cfg)
-    if getattr(target, "tp_workers", None) is not None:
+    if engine_config.tensor_parallel_size > 1:
         raise ValueError(f"speculative method {cfg.method!r} is not supported with tensor "
                          "parallelism (use 'ngram')")
     if cfg.method == "early_exit":

@@ -99,15 +99,7 @@ class TensorParallelWorkers:
             "nccl" if spread else "gloo")
         worker_device = [f"cuda:{r}" if spread else str(device) for r in range(tp)]
         init = f"tcp://127.0.0.1:{_free_port()}"
-        # The weights go to the workers once, through a file in memory (/dev/shm where there is
-        # one) that each maps; workers are fresh interpreters (no fork of a threaded process,
-        # and no re-import of the caller's script as multiprocessing's spawn would do).
-        tmp = tempfile.mkdtemp(prefix="infer-lab-tp-", dir="/dev/shm" if os.path.isdir(
-            "/dev/shm") else None)
-        weights = os.path.join(tmp, "weights.pt")
-        torch.save({"config": model.config, "dtype": model.dtype,
-                    "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
-                   weights)
+        tmp, weights = _weights_file(model)
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         env = dict(os.environ, INFER_LAB_TP_AUTHKEY=authkey.hex())
@@ -241,6 +233,18 @@ class TensorParallelWorkers:
                 dist.destroy_process_group()
         if TensorParallelWorkers._active is self:
             TensorParallelWorkers._active = None
+
+
+def _weights_file(model: Transformer) -> tuple[str, str]:
+    """The weights go to the workers once, through a file in memory (/dev/shm where there is
+    one) that each maps; workers are fresh interpreters (no fork of a threaded process, and no
+    re-import of the caller's script as multiprocessing's spawn would do)."""
+    tmp = tempfile.mkdtemp(prefix="infer-lab-tp-", dir="/dev/shm" if os.path.isdir(
+        "/dev/shm") else None)
+    weights = os.path.join(tmp, "weights.pt")
+    torch.save({"config": model.config, "dtype": model.dtype,
+                "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}, weights)
+    return tmp, weights
 
 
 def _free_port() -> int:

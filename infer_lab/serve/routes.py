@@ -251,12 +251,12 @@ def failure(item: RequestOutput | Exception) -> APIError | None:
         return APIError(503, str(item), "server_error", code="unavailable")
     if isinstance(item, Exception):
         return APIError(500, "the engine failed on this request", "server_error")
-    error = getattr(item, "error", None)
-    if error or any(c.finish_reason == "error" for c in item.outputs):
-        # the engine's message is "the engine failed this request (stage): Type: detail";
-        # the client gets the stage, the log keeps the detail
+    error = item.error
+    if error is not None or any(c.finish_reason == "error" for c in item.outputs):
+        # the client gets the stage (a RequestFailure's field), the log keeps the detail
         log.warning("request %s failed in the engine: %s", item.request_id, error)
-        where = (error or "").split(": ", 1)[0] or "the engine failed this request"
+        where = ("the engine failed this request" if error is None
+                 else f"the engine failed this request ({error.stage})")
         return APIError(500, where, "server_error", code="engine_error")
     return None
 
