@@ -22,6 +22,7 @@ from infer_lab.device import default_device, resolve_dtype
 from infer_lab.model import registry
 from infer_lab.model.config import ModelConfig
 from infer_lab.model.gguf import find_gguf, load_gguf
+from infer_lab.model.moe import expert_checkpoint_target
 from infer_lab.model.tokenizer import Tokenizer
 from infer_lab.model.transformer import Transformer
 
@@ -183,15 +184,21 @@ def load_model(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if _IGNORED.search(name):
                     continue
-                ours, offset, rows = _target(name, cfg)
+                shape = tuple(f.get_slice(name).get_shape())
+                # Chapter 12: an expert's tensor goes into its slot of the stacked [E, ...] weights
+                moe = expert_checkpoint_target(name, shape, cfg)
+                if moe is not None:
+                    ours, expert, offset, rows = moe
+                else:
+                    (ours, offset, rows), expert = _target(name, cfg), None
                 if ours == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # tied: the embedding matrix is the head
                 param = params.get(ours)
                 if param is None:
                     unexpected.append(name)
                     continue
-                dest = param[offset : offset + rows] if rows else param
-                shape = tuple(f.get_slice(name).get_shape())
+                dest = param if expert is None else param[expert]
+                dest = dest[offset : offset + rows] if rows else dest
                 if shape != tuple(dest.shape):
                     raise CheckpointError(
                         f"weight {name!r} in {file.name} has shape {shape} but the config "
