@@ -205,6 +205,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     where the kernels' dispatch would run Triton (CUDA) and :data:`CPU_DEFAULT` elsewhere.
     """
     name = (impl or _impl).lower()
+    if x.shape[0] == 0 and name in MOE_IMPLS:  # an expert-parallel rank that received nothing
+        return torch.zeros_like(x)
     if name == "auto":
         name = "triton" if resolve_backend(None, x) == "triton" else CPU_DEFAULT
     if name == "triton":

@@ -27,6 +27,8 @@ from infer_lab.model.tokenizer import Tokenizer
 from infer_lab.model.transformer import Transformer
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-kjv"
+# Other models shipped in the package, by name (Chapter 12: a small trained mixture of experts).
+BUNDLED_MODELS = {"tiny-moe": BUNDLED_MODEL_DIR.parent / "tiny-moe"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # checkpoint projection name -> (fused parameter, index of its slice)
 _FUSED = {
@@ -57,6 +59,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     path = Path(model).expanduser()
     if str(model) == BUNDLED_MODEL_DIR.name and not path.exists():
         return resolve_model_path(None)
+    if str(model) in BUNDLED_MODELS and not path.exists():
+        return BUNDLED_MODELS[str(model)]
     if str(model) in registry.NAMED_MODELS and not path.exists():
         if registry.random_requested(str(model)):
             return Path(str(model))
@@ -71,7 +75,7 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         )
     if _HUB_ID.match(str(model)):
         return _download(str(model))
-    named = ", ".join(registry.NAMED_MODELS)
+    named = ", ".join([BUNDLED_MODEL_DIR.name, *BUNDLED_MODELS, *registry.NAMED_MODELS])
     raise FileNotFoundError(
         f"model {str(model)!r} is not a directory, a .gguf file or a named model ({named})"
     )
