@@ -6,6 +6,7 @@ from Debian's ``bible-kjv-text`` (or ``--corpus``), one chapter per document, th
 chapters held out with the same seed, and ``tiny-kjv``'s byte-level BPE tokenizer and chat template
 copied as they are. Only the model differs: a Mixtral-architecture transformer
 (``MixtralForCausalLM``) whose every MLP is 8 experts of which the router picks 2 per token.
+The held-out chapters are written beside the model as ``heldout.txt`` (real text it never saw).
 
 It exists so that Chapter 12's routing statistics (tokens per expert, distinct experts per batch)
 come from a router that learned something, not from random weights. The loss is the next-token
@@ -93,6 +94,13 @@ def expert_load(model: MixtralForCausalLM, stream: torch.Tensor, seq_len: int) -
             top = logits.topk(cfg.num_experts_per_tok, dim=-1).indices.flatten()
             counts[layer] += torch.bincount(top, minlength=cfg.num_local_experts)
     return counts.tolist()
+
+
+def write_heldout(out: Path, chapters: list) -> None:
+    """The held-out chapters as plain text (``heldout.txt``): real text the model never trained
+    on, for Chapter 12's routing statistics. One chapter per paragraph, verses one per line."""
+    text = "\n\n".join(f"{c.book} {c.number}\n" + c.text for c in chapters)
+    (out / "heldout.txt").write_text(text + "\n", encoding="utf-8")
 
 
 def write_model_card(out: Path, log: dict) -> None:
@@ -202,6 +210,8 @@ def main() -> None:  # noqa: PLR0915 (a training script reads best top to bottom
     p.add_argument("--chat-frac", type=float, default=0.04, help="share of training tokens")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--heldout-only", action="store_true",
+                   help="only (re)write heldout.txt into --out, no training")
     args = p.parse_args()
 
     t_start = time.time()
@@ -219,6 +229,9 @@ def main() -> None:  # noqa: PLR0915 (a training script reads best top to bottom
     val_idx = set(order[:n_val])
     train_ch = [c for i, c in enumerate(chapters) if i not in val_idx]
     val_ch = [c for i, c in enumerate(chapters) if i in val_idx]
+    if args.heldout_only:
+        write_heldout(args.out, val_ch)
+        return
     tok, special_ids = load_tokenizer()
     eos_id = special_ids[dense.EOS]
     book_stream = dense.encode_stream(tok, [c.text for c in train_ch], eos_id)
@@ -307,6 +320,7 @@ def main() -> None:  # noqa: PLR0915 (a training script reads best top to bottom
                      pad_token_id=eos_id, do_sample=False).save_pretrained(out_dir)
     for name in TOKENIZER_FILES:
         shutil.copy(TOKENIZER_DIR / name, out_dir / name)
+    write_heldout(out_dir, val_ch)
     model_config = json.loads((out_dir / "config.json").read_text())
     model_config["rope_theta"] = model_config["rope_parameters"]["rope_theta"]  # the hub's key
     (out_dir / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")

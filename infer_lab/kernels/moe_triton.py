@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from infer_lab.kernels.dispatch import gpu_capability
 from infer_lab.kernels.moe import moe_align_block_size
 
 
@@ -88,16 +89,26 @@ class MoETiles:
     num_stages: int
 
 
-def choose_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoETiles:
+def choose_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype,
+                 capability: tuple[int, int] = (8, 0)) -> MoETiles:
     """Small row blocks when each expert gets few rows (decode), bigger ones for prefill; fp32
-    tiles are half as deep (twice the bytes per element, in the same shared memory).
+    tiles are half as deep (twice the bytes per element); Turing (sm_75) gets narrower tiles,
+    since the gate and up accumulators side by side otherwise spill registers there.
 
-    ``scripts/gpu_compile.py`` compiles every configuration this can return.
+    ``scripts/gpu_compile.py`` compiles every configuration this can return, per target.
     """
-    block_k = 32 if dtype == torch.float32 else 64
-    if num_pairs <= 4 * num_experts:  # at most ~4 rows per expert on average
-        return MoETiles(16, 64, block_k, 4, 2 if dtype == torch.float32 else 3)
-    return MoETiles(64, 64, block_k, 4, 2 if dtype == torch.float32 else 3)
+    small = num_pairs <= 4 * num_experts  # at most ~4 rows per expert on average
+    if capability < (8, 0):
+        return MoETiles(16 if small else 32, 32, 32, 4, 2)
+    if dtype == torch.float32:
+        return MoETiles(16, 64, 32, 4, 2) if small else MoETiles(32, 32, 32, 4, 2)
+    return MoETiles(16 if small else 64, 64, 64, 4, 3)
+
+
+def tile_configs(dtype: torch.dtype, capability: tuple[int, int]) -> list[MoETiles]:
+    """Every configuration :func:`choose_tiles` can pick (what gpu-compile builds)."""
+    return sorted({choose_tiles(n, 8, dtype, capability) for n in (1, 1000)},
+                  key=lambda t: t.block_m)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor,
@@ -123,7 +134,10 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if t == 0:
         return torch.zeros_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    tiles = tiles or choose_tiles(t * k, e, x.dtype)
+    if tiles is None:
+        index = torch.cuda.current_device() if x.device.index is None else x.device.index
+        cap = gpu_capability(index) if x.is_cuda else (8, 0)
+        tiles = choose_tiles(t * k, e, x.dtype, cap)
     sorted_ids, expert_ids, used = moe_align_block_size(topk_ids, tiles.block_m, e)
     weights = topk_weights.contiguous().view(-1)
     act = torch.empty(t * k, two_i // 2, dtype=x.dtype, device=x.device)
