@@ -77,10 +77,11 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: str
 
 # ----------------------------------------------------------------------------- models
 def shapes(gpu: bool) -> dict[str, Any]:
-    """The benchmark's Mixtral-shaped MoE: Mixtral-8x7B's own layer on a GPU, a quarter of its
-    width on a CPU (hidden 1024, experts 1792 wide: 176 MB of fp32 experts per layer)."""
+    """The benchmark's Mixtral-shaped MoE: Mixtral-8x7B's own layers on a GPU (two of them), a
+    quarter of its width on a CPU (hidden 1024, experts 1792 wide: 176 MB of fp32 experts per
+    layer, four layers)."""
     if gpu:
-        return dict(hidden=4096, expert=14336, experts=8, top_k=2, layers=4, heads=32, kv=8,
+        return dict(hidden=4096, expert=14336, experts=8, top_k=2, layers=2, heads=32, kv=8,
                     vocab=32000)
     return dict(hidden=1024, expert=1792, experts=8, top_k=2, layers=4, heads=16, kv=4,
                 vocab=32000)

@@ -217,3 +217,34 @@ def test_a_missing_expert_is_reported(mixtral_dir, tmp_path):
     save_file(state, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="missing weights.*experts"):
         il.load(tmp_path / "gap", device="cpu")
+
+
+# ----------------------------------------------------------------------------- out of scope
+def test_quantized_experts_are_refused(mixtral_dir):
+    from infer_lab.model.quantize import QuantizationError
+
+    with pytest.raises(QuantizationError, match="mixture-of-experts.*not supported"):
+        il.load(mixtral_dir, device="cpu", quantization="int8")
+
+
+def test_moe_gguf_files_are_refused(tmp_path):
+    """llama.cpp writes Mixtral as architecture "llama" with an expert count: refused by name
+    before any tensor is read, not loaded as a dense Llama."""
+    import gguf
+
+    path = tmp_path / "mixtral.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 2), ("embedding_length", 64), ("feed_forward_length", 128),
+                       ("attention.head_count", 4), ("expert_count", 8),
+                       ("expert_used_count", 2)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_tokenizer_model("gpt2")  # a valid byte-level BPE, so the experts are what fails
+    w.add_token_list(["a", "b", "ab"])
+    w.add_token_merges(["a b"])
+    w.add_tensor("token_embd.weight", torch.zeros(3, 64).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(il.UnsupportedModelError, match="mixture-of-experts GGUF.*8 experts"):
+        il.load(path, device="cpu")
