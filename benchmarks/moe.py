@@ -4,7 +4,8 @@ and what routing on real text looks like.
 Sections of ``benchmarks/results/moe.json`` (``moe_gpu.json`` with ``--gpu``):
 
 - ``headline``: decode step time at batch 1 and 64 (contiguous KV cache, ``--context`` tokens
-  already cached, median of ``--steps`` steps) of three random-weight models with the same
+  already cached, median of ``--steps`` steps, the models taking turns) of three random-weight
+  models with the same
   attention and embeddings: a Mixtral-shaped MoE (8 experts, top-2), a dense model with the MoE's
   *active* MLP width (2 experts' worth) and one with its *total* MLP width (all 8);
 - ``paths``: one MoE layer (8 experts, top-2, hidden 1024, expert width 1792) at batch 1, 8 and 64
@@ -103,46 +104,54 @@ def model_configs(s: dict[str, Any]) -> dict[str, ModelConfig]:
     }
 
 
-@torch.inference_mode()
-def decode_step_seconds(model: torch.nn.Module, batch: int, context: int, steps: int,
-                        device: str) -> float:
-    """Median seconds of a decode step of ``batch`` sequences with ``context`` cached tokens."""
-    cfg = model.config
-    cache = ContiguousKVCache(cfg, batch, context + steps + 2, device, model.dtype)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.vocab_size, (batch, context), generator=gen).to(device)
-    ctx = ContiguousAttentionContext(cache, torch.zeros(batch, dtype=torch.long), context)
-    model(prompt.flatten(), ctx.positions.flatten(), ctx)
-    times = []
-    for i in range(steps):
-        feed = torch.randint(0, cfg.vocab_size, (batch,), generator=gen).to(device)
-        ctx = ContiguousAttentionContext(cache, torch.full((batch,), context + i), 1)
-        sync(device)
-        t0 = time.perf_counter()
-        model(feed, ctx.positions.flatten(), ctx)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+class Decoder:
+    """One model decoding a batch through the contiguous KV cache, a step at a time."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, context: int, steps: int,
+                 device: str) -> None:
+        cfg = model.config
+        self.model, self.batch, self.context, self.device, self.i = model, batch, context, \
+            device, 0
+        self.cache = ContiguousKVCache(cfg, batch, context + steps + 4, device, model.dtype)
+        self.gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, cfg.vocab_size, (batch, context), generator=self.gen)
+        ctx = ContiguousAttentionContext(self.cache, torch.zeros(batch, dtype=torch.long),
+                                         context)
+        with torch.inference_mode():
+            model(prompt.to(device).flatten(), ctx.positions.flatten(), ctx)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        feed = torch.randint(0, self.model.config.vocab_size, (self.batch,), generator=self.gen)
+        ctx = ContiguousAttentionContext(self.cache, torch.full((self.batch,),
+                                                                self.context + self.i), 1)
+        self.model(feed.to(self.device), ctx.positions.flatten(), ctx)
+        self.i += 1
 
 
 def headline(args: argparse.Namespace) -> dict[str, Any]:
+    """The three models' decode steps interleaved, step by step, so that the machine's load
+    falls on all three alike."""
     cfgs = model_configs(shapes(args.gpu))
+    models = {name: random_model(cfg, args.device, args.dtype) for name, cfg in cfgs.items()}
     rows = []
-    for name, cfg in cfgs.items():
-        model = random_model(cfg, args.device, args.dtype)
-        for b in (1, 64):
+    for b in (1, 64):
+        decoders = {n: Decoder(m, b, args.context, args.steps + 1, args.device)
+                    for n, m in models.items()}
+        times = interleaved({n: d.step for n, d in decoders.items()}, args.steps, args.device)
+        for name, cfg in cfgs.items():
             rows.append(dict(model=name, batch=b, params=cfg.num_parameters(),
                              active_params=cfg.num_active_parameters(),
-                             step_ms=1e3 * decode_step_seconds(model, b, args.context,
-                                                               args.steps, args.device)))
-        del model
+                             step_ms=1e3 * times[name]))
+        del decoders
     by = {(r["model"], r["batch"]): r for r in rows}
     for r in rows:
         r["vs_dense_total"] = r["step_ms"] / by["dense_total", r["batch"]]["step_ms"]
         r["vs_dense_active"] = r["step_ms"] / by["dense_active", r["batch"]]["step_ms"]
     print_table(rows, ["model", "batch", "params", "active_params", "step_ms", "vs_dense_total",
                        "vs_dense_active"])
-    return {"rows": rows, "shape": shapes(args.gpu), "context": args.context}
+    return {"rows": rows, "shape": shapes(args.gpu), "context": args.context,
+            "steps": args.steps}
 
 
 # ----------------------------------------------------------------------------- one layer

@@ -147,14 +147,16 @@ def test_sparse_layers_follow_transformers_rules():
         assert cfg.moe_layers == theirs, changes
 
 
-def test_parameter_counts_of_mixtral_8x7b():
-    """Mixtral-8x7B's published figures: 46.7 B parameters, 12.9 B active per token."""
-    cfg = ModelConfig.from_dict(dict(
-        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        num_local_experts=8, num_experts_per_tok=2))
-    assert round(cfg.num_parameters() / 1e9, 1) == 46.7
-    assert round(cfg.num_active_parameters() / 1e9, 1) == 12.9
+@pytest.mark.parametrize("name, total, active", [
+    ("Mixtral-8x7B", 46.7, 12.9), ("Mixtral-8x22B", 141, 39), ("Qwen1.5-MoE-A2.7B", 14.3, 2.7),
+    ("Qwen3-30B-A3B", 30.5, 3.3), ("Qwen3-235B-A22B", 235, 22)])
+def test_published_parameter_counts(name, total, active):
+    """The model cards' figures (billions), from each config.json's fields."""
+    from infer_lab.measure.moe import PUBLISHED_MOE
+
+    cfg = PUBLISHED_MOE[name]
+    assert cfg.num_parameters() / 1e9 == pytest.approx(total, rel=0.005)
+    assert cfg.num_active_parameters() / 1e9 == pytest.approx(active, rel=0.02)
 
 
 @pytest.mark.parametrize("changes, field", [

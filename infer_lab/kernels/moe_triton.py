@@ -135,8 +135,10 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return torch.zeros_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     if tiles is None:
-        index = torch.cuda.current_device() if x.device.index is None else x.device.index
-        cap = gpu_capability(index) if x.is_cuda else (8, 0)
+        cap = (8, 0)  # the interpreter: any configuration runs
+        if x.is_cuda:
+            cap = gpu_capability(x.device.index if x.device.index is not None
+                                 else torch.cuda.current_device())
         tiles = choose_tiles(t * k, e, x.dtype, cap)
     sorted_ids, expert_ids, used = moe_align_block_size(topk_ids, tiles.block_m, e)
     weights = topk_weights.contiguous().view(-1)

@@ -21,12 +21,40 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from infer_lab.model.config import ModelConfig
+
+# The published config.json of MoE models, the fields that set their size (from their model cards
+# on the Hugging Face hub). tests/test_moe_models.py checks that they give the published totals.
+_PUBLISHED: dict[str, dict[str, Any]] = {
+    "Mixtral-8x7B": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
+    "Mixtral-8x22B": dict(model_type="mixtral", vocab_size=32768, hidden_size=6144,
+                          intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
+                          num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
+    "Qwen1.5-MoE-A2.7B": dict(model_type="qwen2_moe", vocab_size=151936, hidden_size=2048,
+                              intermediate_size=5632, num_hidden_layers=24,
+                              num_attention_heads=16, num_key_value_heads=16, num_experts=60,
+                              num_experts_per_tok=4, moe_intermediate_size=1408,
+                              shared_expert_intermediate_size=5632),
+    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    "Qwen3-235B-A22B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096,
+                            intermediate_size=12288, num_hidden_layers=94,
+                            num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+                            norm_topk_prob=True),
+}
+PUBLISHED_MOE: dict[str, ModelConfig] = {
+    name: ModelConfig.from_dict(raw) for name, raw in _PUBLISHED.items()}
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int | np.ndarray
