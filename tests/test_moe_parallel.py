@@ -65,24 +65,26 @@ def test_bad_run_is_refused_before_any_process_starts(moe_dir):
         run_parallel(moe_dir, PROMPTS[:2], 4, "ep")
 
 
-@pytest.mark.parametrize("mode", ["ep", "tp"])
-def test_two_ranks_equal_one_process(moe_dir, mode):
+def test_two_ranks_equal_one_process(moe_dir):
+    """Both splits in one launch of two processes (they run one after the other)."""
     model, tok = il.load(moe_dir, device="cpu", dtype="float32")
     ref = [o.token_ids for o in generate_cached(model, tok, PROMPTS, 12, ignore_eos=True)]
-    out = run_parallel(moe_dir, PROMPTS, 2, mode, max_tokens=12)
-    for p, ours, theirs in zip(PROMPTS, out["tokens"], ref, strict=True):
-        assert len(ours) == 12
-        assert_greedy_equal(ours, theirs, logits_after(model, p))
+    runs = run_parallel(moe_dir, PROMPTS, 2, ("ep", "tp"), max_tokens=12)
     cfg, h = model.config, model.config.hidden_size
-    for r in out["ranks"]:
-        s = r["stats"]
-        assert s["calls"] > 0 and s["tokens"] > 0
-        if mode == "ep":  # every (token, expert) pair stayed home or crossed there and back
-            assert s["rows_local"] + s["rows_remote"] // 2 == cfg.num_experts_per_tok * s["tokens"]
-            assert s["payload_bytes"] == s["rows_remote"] * h * 4
-            assert s["rows_remote"] > 0
-        else:  # one all-reduce of the layer's output: 2 (n-1)/n of it per rank
-            assert s["payload_bytes"] == s["tokens"] * h * 4
+    for mode, out in runs.items():
+        for p, ours, theirs in zip(PROMPTS, out["tokens"], ref, strict=True):
+            assert len(ours) == 12
+            assert_greedy_equal(ours, theirs, logits_after(model, p))
+        for r in out["ranks"]:
+            s = r["stats"]
+            assert s["calls"] > 0 and s["tokens"] > 0
+            if mode == "ep":  # every (token, expert) pair stayed home or went there and back
+                assert (s["rows_local"] + s["rows_remote"] // 2
+                        == cfg.num_experts_per_tok * s["tokens"])
+                assert s["payload_bytes"] == s["rows_remote"] * h * 4
+                assert s["rows_remote"] > 0
+            else:  # one all-reduce of the layer's output: 2 (n-1)/n of it per rank
+                assert s["payload_bytes"] == s["tokens"] * h * 4
 
 
 def test_engine_tensor_parallel_splits_the_experts(moe_dir):

@@ -19,7 +19,8 @@ routing is uniform (``b`` bytes per element); :class:`CommStats` counts what was
 hidden units (rows of ``w13``, columns of ``w2``, as Chapter 10 splits a dense MLP) and sees every
 token; each computes a partial sum of the layer's output and one ``all_reduce`` adds them up:
 ``2 (tp - 1) / tp * H b`` bytes sent per rank per token and layer, for a token that every rank
-processes. :func:`shard_moe_block_tp` does the same inside the engine's tensor-parallel workers.
+processes. :func:`shard_moe_block_tp` makes the split, here and inside the engine's
+tensor-parallel workers alike.
 
 The collectives are ``torch.distributed``'s (gloo on CPU, NCCL on GPU). :func:`run_parallel`
 starts the ranks for real (``torchrun``) and returns what each generated; the tests and Chapter 12
@@ -166,30 +167,17 @@ class ExpertParallelExperts(nn.Module):
 
 
 class TensorParallelExperts(nn.Module):
-    """A ``1/tp`` slice of every expert's hidden units; the output is a partial sum, which the
-    ``all_reduce`` completes (or, with ``reduce=False``, the caller's one all-reduce)."""
+    """A ``1/tp`` slice of every expert's hidden units: the output is a partial sum, which the
+    block's one all-reduce completes (:class:`TensorParallelMoeBlock`)."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, group: dist.ProcessGroup | None,
-                 reduce: bool = True) -> None:
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         super().__init__()
         self.w13_weight = nn.Parameter(w13.contiguous(), requires_grad=False)
         self.w2_weight = nn.Parameter(w2.contiguous(), requires_grad=False)
-        self.group, self.reduce = group, reduce
-        self.stats = CommStats()
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        if self.reduce:
-            tp = dist.get_world_size(self.group)
-            start = time.perf_counter()
-            dist.all_reduce(out, group=self.group)
-            s = self.stats
-            s.seconds += time.perf_counter() - start
-            s.calls += 1
-            s.tokens += x.shape[0]
-            s.payload_bytes += round(2 * (tp - 1) / tp * out.numel() * out.element_size())
-        return out
+        return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
 
 def _expert_slice(w13: torch.Tensor, w2: torch.Tensor, rank: int, tp: int
@@ -218,8 +206,8 @@ def shard_experts(model: nn.Module, rank: int, size: int, mode: str = "ep",
                 w13[mine.start:mine.stop].clone(), w2[mine.start:mine.stop].clone(),
                 mine.start, cfg.num_experts, rank, size, group)
         else:
-            block.experts = TensorParallelExperts(*_expert_slice(w13, w2, rank, size), group)
-    return [b.experts.stats for b in moe_blocks(model)]
+            shard_moe_block_tp(block, rank, size, group)
+    return [b.stats if mode == "tp" else b.experts.stats for b in moe_blocks(model)]
 
 
 class TensorParallelMoeBlock(SparseMoeBlock):
@@ -227,10 +215,17 @@ class TensorParallelMoeBlock(SparseMoeBlock):
     yields a partial sum of the output, and one ``all_reduce`` per layer adds them up."""
 
     tp_group: dist.ProcessGroup | None
+    stats: CommStats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)  # a partial sum: the experts' and shared expert's slices
+        start = time.perf_counter()
         dist.all_reduce(out, group=self.tp_group)
+        tp, s = dist.get_world_size(self.tp_group), self.stats
+        s.seconds += time.perf_counter() - start
+        s.calls += 1
+        s.tokens += out.numel() // out.shape[-1]
+        s.payload_bytes += round(2 * (tp - 1) / tp * out.numel() * out.element_size())
         return out
 
 
@@ -241,7 +236,7 @@ def shard_moe_block_tp(block: SparseMoeBlock, rank: int, tp: int,
     (:func:`infer_lab.model.tensor_parallel.shard_model` calls this for each sparse layer)."""
     experts = block.experts
     w13, w2 = _expert_slice(experts.w13_weight, experts.w2_weight, rank, tp)
-    block.experts = TensorParallelExperts(w13, w2, group, reduce=False)
+    block.experts = TensorParallelExperts(w13, w2)
     if block.shared_expert is not None:
         shared = block.shared_expert
         s = shared.down_proj.in_features
@@ -253,6 +248,7 @@ def shard_moe_block_tp(block: SparseMoeBlock, rank: int, tp: int,
         block.shared_expert = local
     block.__class__ = TensorParallelMoeBlock
     block.tp_group = group  # type: ignore[attr-defined]
+    block.stats = CommStats()  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------- running it
@@ -265,59 +261,38 @@ def _split_prompts(prompts: Sequence[Sequence[int]], rank: int, size: int, mode:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """One rank: load the model, keep its part, greedy-decode its prompts, report to rank 0."""
+    """One rank: for each mode, load the model, keep its part, greedy-decode its prompts, and
+    report to rank 0 (several modes share one start-up of the processes)."""
     from infer_lab.model.baselines import generate_cached
     from infer_lab.model.loader import load
 
     torch.set_num_threads(1)
     dist.init_process_group(args.backend)
     rank, size = dist.get_rank(), dist.get_world_size()
-    model, tok = load(args.model, device="cpu", dtype=args.dtype)
-    stats = shard_experts(model, rank, size, args.mode)
     prompts = json.loads(args.prompts)
-    mine = _split_prompts(prompts, rank, size, args.mode)
-    start = time.perf_counter()
-    outs = generate_cached(model, tok, mine, args.max_tokens, ignore_eos=True)
-    wall = time.perf_counter() - start
-    total = CommStats()
-    for s in stats:
-        total.add(s)
-    report = {"rank": rank, "tokens": [o.token_ids for o in outs], "wall_s": wall,
-              "stats": dataclasses.asdict(total), "num_layers": len(stats)}
+    reports = {}
+    for mode in args.mode.split(","):
+        model, tok = load(args.model, device="cpu", dtype=args.dtype)
+        stats = shard_experts(model, rank, size, mode)
+        mine = _split_prompts(prompts, rank, size, mode)
+        start = time.perf_counter()
+        outs = generate_cached(model, tok, mine, args.max_tokens, ignore_eos=True)
+        wall = time.perf_counter() - start
+        total = CommStats()
+        for st in stats:
+            total.add(st)
+        reports[mode] = {"rank": rank, "tokens": [o.token_ids for o in outs], "wall_s": wall,
+                         "stats": dataclasses.asdict(total), "num_layers": len(stats)}
     gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, report)
+    dist.all_gather_object(gathered, reports)
     if rank == 0:
         print(json.dumps({"ranks": gathered}), flush=True)
     dist.destroy_process_group()
 
 
-def run_parallel(model: str | os.PathLike, prompts: Sequence[Sequence[int]], size: int,
-                 mode: str = "ep", max_tokens: int = 16, dtype: str = "float32",
-                 backend: str = "gloo", timeout: float = 600.0) -> dict[str, Any]:
-    """Greedy-decode ``prompts`` (token ids; with ``ep`` at least one per rank) on ``size``
-    processes splitting the experts by ``mode``; returns the tokens of every prompt, in order,
-    and each rank's :class:`CommStats`.
-
-    Each rank is a fresh interpreter started by ``torchrun``, holding only its experts.
-    """
-    from infer_lab.model.loader import resolve_model_path
-
-    cfg = ModelConfig.from_file(resolve_model_path(model))
-    check_parallel_size(cfg, size, mode)
-    if mode == "ep" and len(prompts) < size:
-        raise ValueError(f"expert parallelism over {size} ranks needs at least {size} prompts "
-                         f"(each rank decodes its own), got {len(prompts)}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={size}", "-m", "infer_lab.model.expert_parallel",
-           "--model", str(model), "--mode", mode, "--max-tokens", str(max_tokens),
-           "--dtype", dtype, "--backend", backend, "--prompts", json.dumps([list(p) for p in
-                                                                           prompts])]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{"ranks"')]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"torchrun failed ({done.returncode}): {done.stderr[-3000:]}")
-    ranks = json.loads(lines[-1])["ranks"]
+def _collect(ranks: list[dict[str, Any]], prompts: Sequence[Sequence[int]], size: int,
+             mode: str) -> list[list[int]]:
+    """Every prompt's tokens, in order, from the ranks' reports (TP ranks must all agree)."""
     tokens: list[list[int]] = [[] for _ in prompts]
     for r in ranks:
         idx = range(len(prompts)) if mode == "tp" else range(r["rank"], len(prompts), size)
@@ -327,13 +302,52 @@ def run_parallel(model: str | os.PathLike, prompts: Sequence[Sequence[int]], siz
                     raise RuntimeError(f"tensor-parallel ranks disagree on prompt {i}")
                 continue
             tokens[i] = toks
-    return {"tokens": tokens, "ranks": ranks, "mode": mode, "size": size}
+    return tokens
+
+
+def run_parallel(model: str | os.PathLike, prompts: Sequence[Sequence[int]], size: int,
+                 mode: str | Sequence[str] = "ep", max_tokens: int = 16, dtype: str = "float32",
+                 backend: str = "gloo", timeout: float = 600.0) -> dict[str, Any]:
+    """Greedy-decode ``prompts`` (token ids; with ``ep`` at least one per rank) on ``size``
+    processes splitting the experts by ``mode``; returns the tokens of every prompt, in order,
+    and each rank's :class:`CommStats`. Several modes (``("ep", "tp")``) run one after the other
+    in the same processes and return ``{mode: result}``.
+
+    Each rank is a fresh interpreter started by ``torchrun``, holding only its part of the
+    experts.
+    """
+    from infer_lab.model.loader import resolve_model_path
+
+    modes = [mode] if isinstance(mode, str) else list(mode)
+    cfg = ModelConfig.from_file(resolve_model_path(model))
+    for m in modes:
+        check_parallel_size(cfg, size, m)
+    if "ep" in modes and len(prompts) < size:
+        raise ValueError(f"expert parallelism over {size} ranks needs at least {size} prompts "
+                         f"(each rank decodes its own), got {len(prompts)}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={size}", "-m", "infer_lab.model.expert_parallel",
+           "--model", str(model), "--mode", ",".join(modes), "--max-tokens", str(max_tokens),
+           "--dtype", dtype, "--backend", backend, "--prompts", json.dumps([list(p) for p in
+                                                                           prompts])]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{"ranks"')]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"torchrun failed ({done.returncode}): {done.stderr[-3000:]}")
+    per_rank = json.loads(lines[-1])["ranks"]
+    results = {}
+    for m in modes:
+        ranks = [r[m] for r in per_rank]
+        results[m] = {"tokens": _collect(ranks, prompts, size, m), "ranks": ranks, "mode": m,
+                      "size": size}
+    return results[modes[0]] if isinstance(mode, str) else results
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="one rank of an expert-parallel run (torchrun)")
     p.add_argument("--model", required=True)
-    p.add_argument("--mode", choices=MODES, default="ep")
+    p.add_argument("--mode", default="ep", help="ep, tp, or both: ep,tp")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--backend", default="gloo")
