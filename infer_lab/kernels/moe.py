@@ -10,7 +10,7 @@ checked against the first:
 - :func:`moe_grouped` sorts the (token, expert) pairs by expert once, gathers the rows once, runs
   one matmul pair per expert on a contiguous slice, and scatter-adds the weighted rows back once;
 - :func:`moe_grouped_mm` is the same with one ``torch.nn.functional.grouped_mm`` per projection
-  (one call for all experts, offsets on the device, no host sync);
+  (one call for all experts, offsets on the device, no host sync; torch >= 2.10);
 - the fused Triton kernel (:mod:`infer_lab.kernels.moe_triton`) does the grouped GEMMs over the
   sorted pairs with the gather, SiLU-and-mul and routing weight inside the kernel, on the padded
   block layout of :func:`moe_align_block_size`.
@@ -30,8 +30,9 @@ from infer_lab.kernels.dispatch import resolve_backend, triton_module
 from infer_lab.kernels.reference import silu_and_mul_ref
 
 MOE_IMPLS = ("auto", "naive", "grouped", "grouped_mm", "triton")
-# The fastest CPU path measured by benchmarks/moe.py on this project's machine (fp32).
-CPU_DEFAULT = "grouped"
+# The CPU path: one grouped GEMM per projection was as fast as the others or faster at batch 1, 8
+# and 64 in benchmarks/moe.py (fp32, this project's machine); torch before 2.10 lacks it.
+CPU_DEFAULT = "grouped_mm" if hasattr(F, "grouped_mm") else "grouped"
 _impl = os.environ.get("INFER_LAB_MOE", "auto").strip().lower() or "auto"
 if _impl not in MOE_IMPLS:
     raise ValueError(f"INFER_LAB_MOE={_impl!r}; use one of {MOE_IMPLS}")
@@ -131,6 +132,9 @@ def moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """:func:`moe_grouped` with one grouped GEMM per projection (``F.grouped_mm``, torch >= 2.10)
     in place of the Python loop over experts."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    if not hasattr(F, "grouped_mm"):
+        raise RuntimeError(f"torch {torch.__version__} has no grouped_mm (torch >= 2.10 has): "
+                           "use the 'grouped' MoE implementation")
     k = topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
     token = order // k
