@@ -70,7 +70,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
 "triton", triton.__version__, "cuda", torch.cuda.is_available())' 2>&1; } | tee -a "$RES/summary.txt"
 
 KERNEL_TESTS="tests/test_kernels_ops.py tests/test_kernels_attention.py tests/test_kernels_model.py \
-  tests/test_kernels_dispatch.py"
+  tests/test_kernels_dispatch.py tests/test_moe_kernels.py"
 # -n only where pytest-xdist is installed (the GPU image may lack it).
 XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n auto" || echo "-p no:xdist")
 step cpu_dry_run 110 env CUDA_VISIBLE_DEVICES= bash -c \
