@@ -24,6 +24,12 @@
 #                   (speculative.json). Limit 90 s; only when named in STEPS (the defaults already
 #                   fill the 5 minutes): STEPS="engine speculative" (alone, it first makes the
 #                   checkpoint, some 30 s of its 90).
+#  10. moe        python -m benchmarks.moe --gpu: one Mixtral-8x7B MoE layer in bf16 at batch 1, 8, 64
+#                   by the naive loop, grouped, grouped_mm and the fused Triton kernel; its time vs
+#                   the distinct experts a batch touches; decode steps of an MoE against dense
+#                   models of its active and total width (moe_gpu.json). The kernel's correctness
+#                   on the GPU (bf16/fp16/fp32, CUDA graph capture) is in gpu_tests
+#                   (tests/test_moe_kernels.py). Limit 90 s; only when named: STEPS="moe".
 # Default (STEPS unset): steps 2 and 4-8, limits 60 + 45 + 25 + 75 + 50 + 40 = 295 s, under the
 # 5 minutes one call may take; steps 1, 3 and 9 (cpu_dry_run, chapters, speculative: 110, 150,
 # 90 s) run only when named in STEPS (1 and 3 also run on CPU, where CI runs them; 9 has a CPU
@@ -64,7 +70,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
 "triton", triton.__version__, "cuda", torch.cuda.is_available())' 2>&1; } | tee -a "$RES/summary.txt"
 
 KERNEL_TESTS="tests/test_kernels_ops.py tests/test_kernels_attention.py tests/test_kernels_model.py \
-  tests/test_kernels_dispatch.py"
+  tests/test_kernels_dispatch.py tests/test_moe_kernels.py"
 # -n only where pytest-xdist is installed (the GPU image may lack it).
 XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n auto" || echo "-p no:xdist")
 step cpu_dry_run 110 env CUDA_VISIBLE_DEVICES= bash -c \
@@ -127,6 +133,9 @@ step serve_bench 50 bash -c "
     --num-requests 64 --dataset random --input-len 128 --output-len 64 --prompt-kind ids \
     --ignore-eos --no-progress --out '$RES/serve_bench.json' --plot '$RES/serve_bench'"
 fi
+# Issue 27: Chapter 12's fused MoE kernel against the torch paths at Mixtral's layer size.
+step moe 90 $PY -m benchmarks.moe --gpu --only paths step_vs_batch headline --repeats 5 \
+  --out "$RES"
 # Tensor parallel, tp 2 on the one GPU through gloo; -p no:xdist so an interrupted run still
 # prints its summary.
 step tp 40 env INFER_LAB_TP_BACKEND=gloo $PY -m pytest -q -p no:xdist -p no:cacheprovider \

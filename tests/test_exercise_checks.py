@@ -575,3 +575,61 @@ def test_ch11_checks_fail_on_wrong_answers_and_pass_the_solutions(ch11, capsys):
     ]
     assert_checks(ch11, cases)
     assert capsys.readouterr().out.count("right") == 3
+
+
+# -------------------------------------------------------------------------------- chapter 12
+CH12 = "12_mixture_of_experts"
+
+
+@pytest.fixture(scope="module")
+def ch12() -> dict[str, Any]:
+    """The chapter's checks and its inline router, expert loop and grouped computation."""
+    import torch
+    import torch.nn.functional as F
+
+    from infer_lab.measure import moe as mm
+
+    namespace: dict[str, Any] = {"torch": torch, "F": F, "mm": mm}
+    for marker in ("def route(", "def moe_loop(", "def moe_grouped("):
+        run_cells(namespace, definitions(cell_with(CH12, marker)))
+    return run_cells(namespace, cell_with(CH12, "def check_1"))
+
+
+def test_ch12_inline_moe_equals_the_package(ch12):
+    import torch
+
+    from infer_lab.kernels.moe import moe_naive, select_experts
+
+    gen = torch.Generator().manual_seed(12)
+    x, router = torch.randn(37, 24, generator=gen), torch.randn(6, 24, generator=gen)
+    w13, w2 = torch.randn(6, 32, 24, generator=gen), torch.randn(6, 24, 16, generator=gen)
+    for renormalize in (True, False):
+        w, e = ch12["route"](x, router, 2, renormalize)
+        w_pkg, e_pkg = select_experts(x @ router.T, 2, renormalize)
+        assert torch.equal(e, e_pkg) and torch.allclose(w, w_pkg)
+    ref = moe_naive(x, w13, w2, w, e)
+    torch.testing.assert_close(ch12["moe_loop"](x, w13, w2, w, e), ref)
+    torch.testing.assert_close(ch12["moe_grouped"](x, w13, w2, w, e), ref)
+
+
+def test_ch12_checks_accept_an_unanswered_exercise(ch12, capsys):
+    for k in (1, 2, 3):
+        ch12[f"check_{k}"](None)
+    assert capsys.readouterr().out.count("replace None") == 3
+
+
+def test_ch12_checks_fail_on_wrong_answers_and_pass_the_solutions(ch12, capsys):
+    run_cells(dict(ch12), *(cell_with(CH12, f"# Solution {k}.") for k in (1, 2, 3)))
+    assert capsys.readouterr().out.count("right") == 3  # each solution cell runs its check
+    per_expert = 3 * 2048 * 768
+    cases = [  # wrong: one layer only, every expert, two matrices per expert
+        ("check_1", 48 * 8 * per_expert, [8 * per_expert, 48 * 128 * per_expert,
+                                          48 * 8 * 2 * 2048 * 768]),
+        # ... B k picks as if all distinct, k (batch 1), every expert
+        ("check_2", 256 * (1 - (1 - 8 / 256) ** 32), [8 * 32, 8, 256]),
+        # ... every pair remote, one way only, fp32
+        ("check_3", 2 * 8 * 4096 * 2 * 7 / 8, [2 * 8 * 4096 * 2, 8 * 4096 * 2 * 7 / 8,
+                                               2 * 8 * 4096 * 4 * 7 / 8]),
+    ]
+    assert_checks(ch12, cases)
+    assert capsys.readouterr().out.count("right") == 3

@@ -13,12 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infer_lab.model.moe_config import MOE_ARCHITECTURES, moe_fields, moe_parameters
+
 # model_type -> the architecture name transformers uses for it.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **MOE_ARCHITECTURES,  # Chapter 12: Mixtral, Qwen2-MoE, Qwen3-MoE
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -64,6 +67,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str | None = None
+    # Mixture of experts (Chapter 12; infer_lab.model.moe_config): 0 experts is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a router and experts
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
 
     @property
     def q_size(self) -> int:
@@ -86,7 +99,16 @@ class ModelConfig:
         mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
         per_layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * per_layer + h + head
+        sparse = moe_parameters(h, self.moe_intermediate_size, self.num_experts,
+                                self.shared_expert_intermediate_size) - mlp  # instead of the MLP
+        return (v * h + self.num_hidden_layers * per_layer + h + head
+                + len(self.moe_layers) * sparse)
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token's forward uses: all but the experts it is not routed to."""
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_parameters() - len(self.moe_layers) * idle * 3 * self.hidden_size * (
+            self.moe_intermediate_size)
 
     # ------------------------------------------------------------------ reading
     @classmethod
@@ -117,7 +139,7 @@ class ModelConfig:
             )
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         layers = int(raw["num_hidden_layers"])
-        return cls(
+        fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
@@ -139,6 +161,8 @@ class ModelConfig:
             eos_token_id=raw.get("eos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         )
+        fields.update(moe_fields(raw, layers))  # Chapter 12: experts and the MoE families' rules
+        return cls(**fields)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> ModelConfig:

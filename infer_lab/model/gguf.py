@@ -180,6 +180,11 @@ def _config(f: _File) -> ModelConfig:
             f"architecture {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (Llama-shaped models)"
         )
     p = arch + "."
+    if f.get(p + "expert_count"):  # Chapter 12: llama.cpp stores Mixtral as "llama" + experts
+        raise UnsupportedModelError(
+            f"{f.path.name} is a mixture-of-experts GGUF ({f.get(p + 'expert_count')} experts "
+            "per layer); MoE GGUF files are not supported: load the model's Hugging Face "
+            "checkpoint (config.json + safetensors) instead")
     if "rope_freqs.weight" in f.tensors:
         raise UnsupportedModelError(
             f"{f.path.name} carries per-frequency RoPE factors (rope_freqs, Llama 3.1-style "

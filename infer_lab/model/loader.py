@@ -22,10 +22,13 @@ from infer_lab.device import default_device, resolve_dtype
 from infer_lab.model import registry
 from infer_lab.model.config import ModelConfig
 from infer_lab.model.gguf import find_gguf, load_gguf
+from infer_lab.model.moe import expert_checkpoint_target
 from infer_lab.model.tokenizer import Tokenizer
 from infer_lab.model.transformer import Transformer
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-kjv"
+# Other models shipped in the package, by name (Chapter 12: a small trained mixture of experts).
+BUNDLED_MODELS = {"tiny-moe": BUNDLED_MODEL_DIR.parent / "tiny-moe"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # checkpoint projection name -> (fused parameter, index of its slice)
 _FUSED = {
@@ -56,6 +59,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     path = Path(model).expanduser()
     if str(model) == BUNDLED_MODEL_DIR.name and not path.exists():
         return resolve_model_path(None)
+    if str(model) in BUNDLED_MODELS and not path.exists():
+        return BUNDLED_MODELS[str(model)]
     if str(model) in registry.NAMED_MODELS and not path.exists():
         if registry.random_requested(str(model)):
             return Path(str(model))
@@ -70,7 +75,7 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         )
     if _HUB_ID.match(str(model)):
         return _download(str(model))
-    named = ", ".join(registry.NAMED_MODELS)
+    named = ", ".join([BUNDLED_MODEL_DIR.name, *BUNDLED_MODELS, *registry.NAMED_MODELS])
     raise FileNotFoundError(
         f"model {str(model)!r} is not a directory, a .gguf file or a named model ({named})"
     )
@@ -183,15 +188,21 @@ def load_model(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if _IGNORED.search(name):
                     continue
-                ours, offset, rows = _target(name, cfg)
+                shape = tuple(f.get_slice(name).get_shape())
+                # Chapter 12: an expert's tensor goes into its slot of the stacked [E, ...] weights
+                moe = expert_checkpoint_target(name, shape, cfg)
+                if moe is not None:
+                    ours, expert, offset, rows = moe
+                else:
+                    (ours, offset, rows), expert = _target(name, cfg), None
                 if ours == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # tied: the embedding matrix is the head
                 param = params.get(ours)
                 if param is None:
                     unexpected.append(name)
                     continue
-                dest = param[offset : offset + rows] if rows else param
-                shape = tuple(f.get_slice(name).get_shape())
+                dest = param if expert is None else param[expert]
+                dest = dest[offset : offset + rows] if rows else dest
                 if shape != tuple(dest.shape):
                     raise CheckpointError(
                         f"weight {name!r} in {file.name} has shape {shape} but the config "

@@ -225,6 +225,10 @@ def check_quantization(model: nn.Module, quantization: str, group_size: int) -> 
                == "gguf" else ""))
     if getattr(model, "quantization", None):
         raise QuantizationError(f"the model is already quantized ({model.quantization})")
+    if getattr(model.config, "num_experts", 0):  # Chapter 12
+        raise QuantizationError(
+            f"this is a mixture-of-experts model ({model.config.num_experts} experts per layer); "
+            "quantized experts are not supported: load it without quantization")
     if model.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise QuantizationError(f"cannot quantize a {model.dtype} model")
     if quantization == "int4":
@@ -335,6 +339,10 @@ def keep_gguf_blocks(model: nn.Module, path: str | os.PathLike | object) -> nn.M
 
     if getattr(model, "quantization", None):
         raise QuantizationError(f"the model is already quantized ({model.quantization})")
+    if getattr(model.config, "num_experts", 0):  # Chapter 12
+        raise QuantizationError(
+            f"this is a mixture-of-experts model ({model.config.num_experts} experts per layer); "
+            "quantized experts are not supported: load it without quantization")
     from gguf import GGMLQuantizationType
 
     f = path if isinstance(path, _File) else _File(path)  # the loader may pass its parsed file
