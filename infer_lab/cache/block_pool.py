@@ -29,7 +29,6 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from infer_lab.cache.batch import slot_mapping
 from infer_lab.utils import cdiv, check_positive_int
 
 SeqId = Hashable
@@ -344,3 +343,11 @@ class BlockManager:
                 f"need {n} KV blocks but only {self.pool.num_free_blocks} of "
                 f"{self.pool.num_blocks} are free"
             )
+
+
+def slot_mapping(
+    block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
+    """Cache slot of each token: in row ``rows[i]`` of ``block_tables``, the block that holds
+    position ``positions[i]``, at the offset of that position inside its block."""
+    return block_tables[rows, positions // block_size] * block_size + positions % block_size
