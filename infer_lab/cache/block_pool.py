@@ -179,7 +179,9 @@ class BlockPool:
         return True
 
     def _forget(self, block: int) -> None:
-        del self._cached[self._key[block]]
+        key = self._key[block]
+        assert key is not None, f"block {block} has no name to forget"
+        del self._cached[key]
         self._key[block] = None
 
     def _check_block(self, block: int) -> None:
