@@ -167,11 +167,9 @@ def allocate(
 
 
 @torch.no_grad()
-def fill(model: nn.Module, copies: Iterable[Copy], skip: Callable[[Weight], bool]) -> None:
-    """Copy every planned weight into its rows, except those ``skip`` leaves to a transform."""
+def fill(model: nn.Module, copies: Iterable[Copy]) -> None:
+    """Copy each weight into its rows, reading it only now (the checkpoint is never held twice)."""
     params = dict(model.named_parameters())
     for c in copies:
-        if skip(c.weight):
-            continue
         dest = params[c.param] if c.rows is None else params[c.param][c.rows]
         dest.copy_(c.weight.read())

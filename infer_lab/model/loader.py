@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -84,8 +83,7 @@ def load(
         checkpoint.config()  # the config and the tokenizer first: each fails in a moment
         tokenizer = checkpoint.tokenizer()
         weights = list(checkpoint.weights())
-        built = build_model(checkpoint, weights, device, dtype, skip=_is_matrix if keep_blocks
-                            else _nothing)
+        built = build_model(checkpoint, weights, device, dtype, leave_matrices=keep_blocks)
         if keep_blocks:
             return keep_gguf_blocks(built, weights), tokenizer
     if quantization is not None:
@@ -109,16 +107,18 @@ def build_model(
     weights: list[Weight],
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
-    skip: Callable[[Weight], bool] | None = None,
+    leave_matrices: bool = False,
 ) -> Transformer:
-    """The model ``checkpoint`` describes, filled from ``weights`` (those ``skip`` picks are
-    left for a transform); every tensor checked against the config before anything is
-    allocated."""
+    """The model ``checkpoint`` describes, filled from ``weights``, every tensor checked against
+    the config before anything is allocated. ``leave_matrices``: fill only the vectors (norms,
+    biases), for a transform that puts its own matrices in place."""
     cfg = checkpoint.config()
     copies = plan_fill(cfg, weights, checkpoint.errors)
+    if leave_matrices:
+        copies = [c for c in copies if len(c.weight.shape) != 2]
     device = torch.device(device) if device is not None else default_device()
     model = allocate(cfg, device, resolve_dtype(dtype, device), checkpoint.errors)
-    fill(model, copies, skip or _nothing)
+    fill(model, copies)
     return model.eval().requires_grad_(False)
 
 
@@ -130,14 +130,6 @@ def load_model(
     """The model of the checkpoint at ``path`` (a directory or a ``.gguf`` file), no tokenizer."""
     checkpoint = open_checkpoint(Path(path))
     return build_model(checkpoint, list(checkpoint.weights()), device, dtype)
-
-
-def _is_matrix(weight: Weight) -> bool:
-    return len(weight.shape) == 2
-
-
-def _nothing(weight: Weight) -> bool:
-    return False
 
 
 def is_random_stand_in(path: Path) -> bool:
