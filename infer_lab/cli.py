@@ -41,8 +41,7 @@ def _json_object(text: str) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
-
+    from infer_lab import settings
     from infer_lab.engine.config import EngineConfig
     from infer_lab.serve.server import make_app, serve
 
@@ -59,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = make_app(
         args.model, config=config, served_model_name=args.served_model_name,
         device=args.device, dtype=args.dtype,
-        api_key=args.api_key or os.environ.get("INFER_LAB_API_KEY"),
+        api_key=args.api_key or settings.API_KEY.get(),
         api_key_all_routes=args.api_key_all_routes, max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens, vllm_metric_names=args.vllm_metric_names,

@@ -29,8 +29,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from infer_lab.cache.batch import slot_mapping
-from infer_lab.utils import cdiv, check_positive_int
+from infer_lab.utils import cdiv, check_positive_int, renamed_keyword
 
 SeqId = Hashable
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
@@ -82,9 +81,10 @@ class BlockPool:
         """Blocks that carry a key (in use or free)."""
         return len(self._cached)
 
-    def can_allocate(self, n: int) -> bool:
-        """True when ``n`` new blocks can be handed out right now."""
-        return n <= len(self._free)
+    @renamed_keyword("n", "num_blocks")
+    def can_allocate(self, num_blocks: int) -> bool:
+        """True when ``num_blocks`` new blocks can be handed out right now."""
+        return num_blocks <= len(self._free)
 
     def free_block_ids(self) -> list[int]:
         """The free queue, in the order blocks will be handed out (for inspection and tests)."""
@@ -103,18 +103,19 @@ class BlockPool:
         return self._cached.get(key)
 
     # ------------------------------------------------------------------ changes
-    def get_new_blocks(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the front of the free queue (each with ref count 1).
+    @renamed_keyword("n", "num_blocks")
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks from the front of the free queue (each with ref count 1).
 
         A taken block that still carried a key is evicted: its contents are about to be
         overwritten. Raises :class:`NoFreeBlocksError`, taking nothing, if fewer are free.
         """
         free = self._free
-        if n > len(free):
-            raise NoFreeBlocksError(f"need {n} KV blocks but only {len(free)} of "
+        if num_blocks > len(free):
+            raise NoFreeBlocksError(f"need {num_blocks} KV blocks but only {len(free)} of "
                                     f"{self.num_blocks} are free")
         out = []
-        for _ in range(n):
+        for _ in range(num_blocks):
             block, _ = free.popitem(last=False)
             key = self._key[block]
             if key is not None:
@@ -180,7 +181,9 @@ class BlockPool:
         return True
 
     def _forget(self, block: int) -> None:
-        del self._cached[self._key[block]]
+        key = self._key[block]
+        assert key is not None, f"block {block} has no name to forget"
+        del self._cached[key]
         self._key[block] = None
 
     def _check_block(self, block: int) -> None:
@@ -338,9 +341,17 @@ class BlockManager:
         partial = self._num_tokens[seq_id] % self.block_size != 0
         return bool(table) and partial and self.pool.ref_count(table[-1]) > 1
 
-    def _require(self, n: int) -> None:
-        if not self.pool.can_allocate(n):
+    def _require(self, num_blocks: int) -> None:
+        if not self.pool.can_allocate(num_blocks):
             raise NoFreeBlocksError(
-                f"need {n} KV blocks but only {self.pool.num_free_blocks} of "
+                f"need {num_blocks} KV blocks but only {self.pool.num_free_blocks} of "
                 f"{self.pool.num_blocks} are free"
             )
+
+
+def slot_mapping(
+    block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
+    """Cache slot of each token: in row ``rows[i]`` of ``block_tables``, the block that holds
+    position ``positions[i]``, at the offset of that position inside its block."""
+    return block_tables[rows, positions // block_size] * block_size + positions % block_size

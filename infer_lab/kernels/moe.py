@@ -21,21 +21,18 @@ project's CPU, ``benchmarks/moe.py``), unless forced per call or by ``INFER_LAB_
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from infer_lab import settings
 from infer_lab.kernels.dispatch import resolve_backend, triton_module
 from infer_lab.kernels.reference import silu_and_mul_ref
 
-MOE_IMPLS = ("auto", "naive", "grouped", "grouped_mm", "triton")
+MOE_IMPLS = settings.MOE_IMPLS
 # The CPU path: one grouped GEMM per projection was as fast as the others or faster at batch 1, 8
 # and 64 in benchmarks/moe.py (fp32, this project's machine); torch before 2.10 lacks it.
 CPU_DEFAULT = "grouped_mm" if hasattr(F, "grouped_mm") else "grouped"
-_impl = os.environ.get("INFER_LAB_MOE", "auto").strip().lower() or "auto"
-if _impl not in MOE_IMPLS:
-    raise ValueError(f"INFER_LAB_MOE={_impl!r}; use one of {MOE_IMPLS}")
+_impl = settings.MOE.get()
 
 
 def set_moe_impl(name: str) -> str:

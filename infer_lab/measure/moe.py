@@ -118,10 +118,9 @@ def decode_intensity(cfg: ModelConfig, batch: int, distinct_experts: float | Non
 def record_routing(model: nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
     """Inside the block, every MoE layer's chosen experts ``[T, k]`` are appended, per layer, to
     the dict this yields (through each block's ``router_hook``)."""
-    from infer_lab.model.moe import moe_blocks
-
     seen: dict[int, list[torch.Tensor]] = {}
-    blocks = moe_blocks(model)
+    # the sparse blocks, found by their hook (measure reads models, it does not import them)
+    blocks = [m for m in model.modules() if hasattr(m, "router_hook")]
 
     def hook(layer: int, topk_ids: torch.Tensor, logits: torch.Tensor) -> None:
         seen.setdefault(layer, []).append(topk_ids.detach().cpu())

@@ -17,13 +17,14 @@ A result that is nowhere is ``None``, and the chapter says how to produce it.
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-RESULTS_ENV = "INFER_LAB_RESULTS"
+from infer_lab import settings
+
+RESULTS_ENV = settings.RESULTS.name
 _CACHE: dict[str, dict[str, Any] | None] = {}
 
 
@@ -50,7 +51,7 @@ def find_result(name: str, timeout: float = 10.0) -> dict[str, Any] | None:
     if not name or name.startswith("/") or ".." in Path(name).parts:
         raise ValueError(f"result names are relative, like 'routing' or 'gpu/kernels': {name!r}")
     file = name if name.endswith(".json") else f"{name}.json"
-    where = os.environ.get(RESULTS_ENV, "")
+    where = settings.RESULTS.get()
     key = f"{where}|{Path.cwd()}|{file}"
     if key in _CACHE:  # a URL is fetched once per session
         return _CACHE[key]

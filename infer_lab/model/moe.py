@@ -104,7 +104,8 @@ _SHARED = re.compile(
     r"^(?:model\.)?layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$")
 _SHARED_GATE = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.shared_expert_gate\.weight$")
 _GATE_OR_UP = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
-Target = tuple[str, "int | None", int, int]
+# (our parameter, the expert's slot in it or None, the rows of that slot it fills or None)
+Target = tuple[str, "int | None", "slice | None"]
 
 
 def _experts_key(cfg: ModelConfig) -> str:
@@ -123,64 +124,85 @@ def _sparse_layer(cfg: ModelConfig, layer: int, name: str) -> None:
             "mlp_only_layers)")
 
 
+def _router(m: re.Match, shape: tuple[int, ...], cfg: ModelConfig) -> Target:
+    layer, e, h = int(m.group(1)), cfg.num_experts, cfg.hidden_size
+    _sparse_layer(cfg, layer, m.string)
+    if shape != (e, h):
+        raise MoEConfigError(
+            f"router {m.string!r} has shape {shape}: {shape[0]} experts, but the config says "
+            f"{_experts_key(cfg)}={e} (and hidden_size={h})")
+    return f"layers.{layer}.mlp.gate.weight", None, None
+
+
+def _one_expert(m: re.Match, shape: tuple[int, ...], cfg: ModelConfig) -> Target:
+    layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    _sparse_layer(cfg, layer, m.string)
+    if expert >= cfg.num_experts:
+        raise MoEConfigError(
+            f"checkpoint has expert {expert} in layer {layer} ({m.string!r}) but the config says "
+            f"{_experts_key(cfg)}={cfg.num_experts}")
+    want = (h, i) if proj in ("w2", "down_proj") else (i, h)
+    if shape != want:
+        raise MoEConfigError(
+            f"expert tensor {m.string!r} has shape {shape}, but {_size_key(cfg)}={i} and "
+            f"hidden_size={h} imply {want}")
+    if proj in ("w2", "down_proj"):
+        return f"layers.{layer}.mlp.experts.w2_weight", expert, None
+    part = _GATE_OR_UP[proj]
+    return f"layers.{layer}.mlp.experts.w13_weight", expert, slice(part * i, (part + 1) * i)
+
+
+def _fused_experts(m: re.Match, shape: tuple[int, ...], cfg: ModelConfig) -> Target:
+    layer, proj = int(m.group(1)), m.group(2)
+    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    _sparse_layer(cfg, layer, m.string)
+    want = (e, 2 * i, h) if proj == "gate_up_proj" else (e, h, i)
+    if shape != want:
+        raise MoEConfigError(
+            f"fused expert tensor {m.string!r} has shape {shape}, but {_experts_key(cfg)}={e}, "
+            f"{_size_key(cfg)}={i} and hidden_size={h} imply {want}")
+    ours = "w13_weight" if proj == "gate_up_proj" else "w2_weight"
+    return f"layers.{layer}.mlp.experts.{ours}", None, None
+
+
+def _shared_expert(m: re.Match, shape: tuple[int, ...], cfg: ModelConfig) -> Target:
+    layer, proj, s, h = m.group(1), m.group(2), cfg.shared_expert_intermediate_size, cfg.hidden_size
+    want = (h, s) if proj == "down_proj" else (s, h)
+    if shape != want:
+        raise MoEConfigError(
+            f"shared expert tensor {m.string!r} has shape {shape}, but "
+            f"shared_expert_intermediate_size={s} and hidden_size={h} imply {want}")
+    if proj == "down_proj":
+        return f"layers.{layer}.mlp.shared_expert.down_proj.weight", None, None
+    part = _GATE_OR_UP[proj]
+    return (f"layers.{layer}.mlp.shared_expert.gate_up_proj.weight", None,
+            slice(part * s, (part + 1) * s))
+
+
+def _shared_gate(m: re.Match, shape: tuple[int, ...], cfg: ModelConfig) -> Target:
+    return f"layers.{m.group(1)}.mlp.shared_expert_gate.weight", None, None
+
+
+_TARGETS: tuple[tuple[re.Pattern, Callable[[re.Match, tuple[int, ...], ModelConfig], Target]], ...]
+_TARGETS = ((_ROUTER, _router), (_EXPERT, _one_expert), (_FUSED_EXPERTS, _fused_experts),
+            (_SHARED, _shared_expert), (_SHARED_GATE, _shared_gate))
+
+
 def expert_checkpoint_target(name: str, shape: tuple[int, ...], cfg: ModelConfig
                              ) -> Target | None:
     """Where checkpoint tensor ``name`` goes in an MoE model, or None if it is not an MoE tensor.
 
-    Returns ``(parameter, expert or None, row offset, row count)``: the tensor is copied into
-    ``parameter[expert][offset : offset + rows]`` (count 0: the whole parameter or expert slice).
+    Returns ``(parameter, expert or None, rows or None)``: the tensor is copied into
+    ``parameter[expert][rows]`` (None: the whole parameter, the whole expert slot).
     Raises :class:`MoEConfigError`, naming the config field, when the tensor's shape or index
     disagrees with the config (an expert past the count, a router of another width, ...).
     """
     if not cfg.num_experts:
         return None
-    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    if m := _ROUTER.match(name):
-        layer = int(m.group(1))
-        _sparse_layer(cfg, layer, name)
-        if shape != (e, h):
-            raise MoEConfigError(
-                f"router {name!r} has shape {shape}: {shape[0]} experts, but the config says "
-                f"{_experts_key(cfg)}={e} (and hidden_size={h})")
-        return f"layers.{layer}.mlp.gate.weight", None, 0, 0
-    if m := _EXPERT.match(name):
-        layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
-        _sparse_layer(cfg, layer, name)
-        if expert >= e:
-            raise MoEConfigError(
-                f"checkpoint has expert {expert} in layer {layer} ({name!r}) but the config says "
-                f"{_experts_key(cfg)}={e}")
-        want = (h, i) if proj in ("w2", "down_proj") else (i, h)
-        if shape != want:
-            raise MoEConfigError(
-                f"expert tensor {name!r} has shape {shape}, but {_size_key(cfg)}={i} and "
-                f"hidden_size={h} imply {want}")
-        if proj in ("w2", "down_proj"):
-            return f"layers.{layer}.mlp.experts.w2_weight", expert, 0, 0
-        return f"layers.{layer}.mlp.experts.w13_weight", expert, _GATE_OR_UP[proj] * i, i
-    if m := _FUSED_EXPERTS.match(name):
-        layer, proj = int(m.group(1)), m.group(2)
-        _sparse_layer(cfg, layer, name)
-        want = (e, 2 * i, h) if proj == "gate_up_proj" else (e, h, i)
-        if shape != want:
-            raise MoEConfigError(
-                f"fused expert tensor {name!r} has shape {shape}, but {_experts_key(cfg)}={e}, "
-                f"{_size_key(cfg)}={i} and hidden_size={h} imply {want}")
-        ours = "w13_weight" if proj == "gate_up_proj" else "w2_weight"
-        return f"layers.{layer}.mlp.experts.{ours}", None, 0, 0
-    if m := _SHARED.match(name):
-        layer, proj, s = int(m.group(1)), m.group(2), cfg.shared_expert_intermediate_size
-        want = (h, s) if proj == "down_proj" else (s, h)
-        if shape != want:
-            raise MoEConfigError(
-                f"shared expert tensor {name!r} has shape {shape}, but "
-                f"shared_expert_intermediate_size={s} and hidden_size={h} imply {want}")
-        if proj == "down_proj":
-            return f"layers.{layer}.mlp.shared_expert.down_proj.weight", None, 0, 0
-        return (f"layers.{layer}.mlp.shared_expert.gate_up_proj.weight", None,
-                _GATE_OR_UP[proj] * s, s)
-    if m := _SHARED_GATE.match(name):
-        return f"layers.{m.group(1)}.mlp.shared_expert_gate.weight", None, 0, 0
+    for pattern, target in _TARGETS:
+        if m := pattern.match(name):
+            return target(m, shape, cfg)
     return None
 
 
