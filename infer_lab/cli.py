@@ -86,6 +86,8 @@ def _add_request_limits(group: argparse._ArgumentGroup) -> None:
          "most"),
         ("--send-timeout", float, 10.0, "seconds a send may wait on a client that does not "
          "read; then the request is aborted and the connection closed"),
+        ("--send-buffer-bytes", int, 0, "each connection's socket send buffer: what a client "
+         "that does not read can park in the kernel (0: the OS's, up to MBs)"),
         ("--max-schema-bytes", int, 64 * 1024, "bytes of a JSON schema, regex or grammar"),
         ("--max-schema-depth", int, 64, "JSON nesting of a schema"),
         ("--max-enum-values", int, 1000, "enum values in a schema, or choice strings"),

@@ -30,7 +30,9 @@ class ServerLimits:
       tokens. A request alone is always admitted (if the engine can ever run it).
     - ``max_logprobs_per_request``: ``n x max_tokens x (1 + top_logprobs)``.
     - ``send_timeout``: seconds a send may wait on a client that does not read; then the
-      request is aborted and the connection closed.
+      request is aborted and the connection closed. ``send_buffer_bytes``: each connection's
+      socket send buffer (0: the OS's, which Linux grows to 4 MB): what a client that does not
+      read can leave in the kernel before the deadline starts.
     - ``max_schema_bytes``, ``max_schema_depth``, ``max_enum_values``, ``grammar_cache_bytes``,
       ``grammar_token_ms``: see :class:`~infer_lab.engine.structured.GrammarLimits`.
     - ``max_compiles``: grammar compilations running or queued (one thread compiles them).
@@ -42,6 +44,7 @@ class ServerLimits:
     max_inflight_tokens: int = 0
     max_logprobs_per_request: int = 1 << 17
     send_timeout: float = 10.0
+    send_buffer_bytes: int = 0
     max_schema_bytes: int = _GRAMMAR.max_bytes
     max_schema_depth: int = _GRAMMAR.max_depth
     max_enum_values: int = _GRAMMAR.max_enum_values

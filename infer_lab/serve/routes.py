@@ -102,9 +102,11 @@ def validate_body(model: type[Body], raw: bytes) -> Body:
     which field is not valid Unicode."""
     try:
         data = json.loads(raw)
-    except (ValueError, RecursionError):  # JSONDecodeError and bad UTF-8 are ValueErrors
+    except ValueError:  # JSONDecodeError and bad UTF-8 are ValueErrors
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
                                        "msg": "invalid JSON"}]) from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -119,7 +121,7 @@ async def completions(request: Request, server: Server) -> Any:
     constraint = refuse_unsupported(server, body.constraint)
     server.engine.check_admission()  # cheap: refuse before tokenizing when already full
     ids = await server.encode(prompt) if isinstance(prompt, str) else prompt
-    await server.prepare(constraint, "response_format")
+    await server.prepare(constraint, constraint_param(body))
     params = sampling_params(server, body, body.max_tokens or 16, body.logprobs, constraint)
     shape = Shape(new_id("cmpl"), False, server.model_name, server.tokenizer, body.logprobs,
                   include_usage(body), body.return_tokens_as_token_ids)
@@ -137,7 +139,7 @@ async def chat(request: Request, server: Server) -> Any:
         messages = plan.with_system(messages)
     server.engine.check_admission()
     ids = await server.encode_chat(messages)
-    await server.prepare(constraint, "tools" if plan else "response_format")
+    await server.prepare(constraint, "tools" if plan else constraint_param(body))
     wanted = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(server, body, wanted or max(1, server.context - len(ids)), top,
@@ -145,6 +147,10 @@ async def chat(request: Request, server: Server) -> Any:
     shape = Shape(new_id("chatcmpl"), True, server.model_name, server.tokenizer, top,
                   include_usage(body), body.return_tokens_as_token_ids, tools=plan)
     return await run(request, server, shape, ids, params, body.stream)
+
+
+def constraint_param(body: SamplingFields) -> str:
+    return "response_format" if body.structured_outputs is None else "structured_outputs"
 
 
 def refuse_unsupported(server: ServerState, make: Callable[[], Any]) -> Any:
@@ -160,12 +166,12 @@ def refuse_unsupported(server: ServerState, make: Callable[[], Any]) -> Any:
 def check_request(server: ServerState, body: SamplingFields) -> None:
     server.check_open()
     server.check_model(body.model)
-    refuse_unsupported(server, body.unsupported)
     most = server.limits.max_n
     for name in ("n", "best_of"):
         if (getattr(body, name) or 0) > most:
             raise server.refuse("n", f"{name}: at most {most} samples per request (this "
                                 "server's --max-n)", name)
+    refuse_unsupported(server, body.unsupported)
 
 
 def single_prompt(prompt: Any) -> str | list[int]:

@@ -110,12 +110,15 @@ class GuardedH11Protocol(H11Protocol):
     - A deadline for a send: when the client stops reading, the socket's buffers fill, the
       transport pauses writing and every send waits; after ``SEND_TIMEOUT`` seconds paused the
       connection is aborted, the app sees a disconnect and the request is aborted with it.
+      ``SEND_BUFFER`` bounds the socket's send buffer (what a client that does not read can
+      park in the kernel; Linux grows it to 4 MB otherwise).
     - :class:`StrictConnection`'s refusal of a body framed twice (400, closed).
 
     ``on_refuse(reason)`` counts the last two in ``/metrics``."""
 
     HEADER_TIMEOUT = 10.0
     SEND_TIMEOUT = 10.0
+    SEND_BUFFER = 0  # the socket's send buffer in bytes (0: the OS's, which grows to MBs)
     on_refuse: Callable[[str], None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -125,6 +128,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if self.SEND_BUFFER and sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.SEND_BUFFER)
         self._head_timer = self.loop.call_later(self.HEADER_TIMEOUT, self._head_timeout)
 
     def data_received(self, data: bytes) -> None:
@@ -250,6 +256,7 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
     if state is not None:
         state.max_concurrency = limit_concurrency
         guards["SEND_TIMEOUT"] = state.limits.send_timeout
+        guards["SEND_BUFFER"] = state.limits.send_buffer_bytes
         if state.engine.metrics is not None:
             guards["on_refuse"] = staticmethod(state.engine.metrics.refuse)
     backstop = None if limit_concurrency is None else 2 * limit_concurrency + 64
