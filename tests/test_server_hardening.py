@@ -163,7 +163,7 @@ def stalled_request(base: str, body: dict, path: str = CHAT) -> socket.socket:
 
 
 def closed_by_server(s: socket.socket) -> bool:
-    s.settimeout(10)
+    s.settimeout(60)
     try:
         while s.recv(65536):
             pass
