@@ -1,7 +1,8 @@
 """What the route handlers share, kept on ``app.state.server``: the engine, the model's name and
-limits, and the work that must happen off the event loop, each in its own bounded place:
-tokenizing (two threads), chat templates (child processes with a deadline), grammar compilation
-(one thread, a bounded number waiting: 429 beyond) and building large responses (one thread)."""
+limits, and the work that must happen off the event loop, each in its own bounded place, so
+that one kind of slow work cannot starve another: tokenizing (two threads), chat templates (two
+threads, each waiting on a child process with a deadline), grammar compilation (one thread, a
+bounded number waiting: 429 beyond) and building large responses (one thread)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     created: int = field(default_factory=lambda: int(time.time()))
     pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("tokenize", 2))
+    template_pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("template", 2))
     compile_pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("compile"))
     respond_pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("respond"))
     max_prompt_bytes: int = 0
@@ -61,7 +63,7 @@ class ServerState:
         return self.engine.engine.tokenizer
 
     def close(self) -> None:
-        for pool in (self.pool, self.compile_pool, self.respond_pool):
+        for pool in (self.pool, self.template_pool, self.compile_pool, self.respond_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self.renderer.close()
 
@@ -105,16 +107,14 @@ class ServerState:
                                 "messages")
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.pool, self._chat_ids, messages)
+            text = await loop.run_in_executor(self.template_pool, self.renderer.render, messages)
         except TemplateLimitError as e:
             raise self.refuse(e.reason, str(e), "messages", "chat_template_limit") from e
         except ValueError as e:  # no template, or the template refused the conversation
             raise APIError(400, str(e), param="messages") from e
-
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.renderer.render(messages, add_generation_prompt=True)
         self.check_prompt_bytes(len(text.encode("utf-8")), "messages")  # the rendered prompt
-        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        ids = await loop.run_in_executor(self.pool, self.tokenizer.encode_batch, [text], False)
+        return ids[0]
 
     async def prepare(self, spec: StructuredOutputsParams | None, param: str) -> None:
         """Check and compile an output constraint before admission: in its own thread, at
