@@ -97,39 +97,57 @@ def test_every_refusal_reason_is_exported_from_the_start(server):
 
 
 # -- 2a. a reader that stops reading holds one merged output ------------------------------------
-def test_the_collector_merges_deltas_and_keeps_an_error():
+def _step(step: int, finished: bool = False):  # noqa: ANN202
     from infer_lab.engine import CompletionOutput, RequestOutput
     from infer_lab.engine.outputs import RequestMetrics
 
-    def out(step: int, finished: bool = False) -> RequestOutput:
-        ids = list(range(step + 1))
-        comps = [CompletionOutput(i, "x" * (step + 1), ids, "length" if finished else None,
-                                  delta_text="x", delta_token_ids=[step]) for i in range(2)]
-        return RequestOutput("r", None, [1], comps, finished, RequestMetrics(0.0))
+    ids = list(range(step + 1))
+    comps = [CompletionOutput(i, "x" * (step + 1), ids, "length" if finished else None,
+                              delta_text="x", delta_token_ids=[step],
+                              token_times=[0.0] * (step + 1)) for i in range(2)]
+    return RequestOutput("r", None, [1], comps, finished, RequestMetrics(0.0))
 
+
+@pytest.mark.parametrize("most", [64, 4, 2])
+def test_the_collector_keeps_deltas_and_one_cumulative_copy(most):
+    """50 steps nobody reads: at most ``most`` outputs wait, only the newest with the
+    cumulative fields; read back, the deltas are every token once, in order."""
     async def scene() -> None:
         c = RequestOutputCollector()
+        c.MAX_PENDING = most
         for step in range(50):
-            c.put(out(step, step == 49))
-        merged = await c.get()
-        assert c.output is None and merged.finished
-        for comp in merged.outputs:
-            assert comp.delta_token_ids == list(range(50)) and comp.delta_text == "x" * 50
-            assert comp.token_ids == list(range(50)) and comp.text == "x" * 50
-        c.put(out(0))
-        c.put(RuntimeError("failed"))
-        c.put(out(1))  # after an error nothing replaces it
-        assert isinstance(await c.get(), RuntimeError)
+            c.put(_step(step, step == 49))
+            assert len(c.pending) <= most
+            assert all(not o.token_ids for p in list(c.pending)[:-1] for o in p.outputs)
+        read = [await c.get() for _ in range(len(c.pending))]
+        assert c.output is None and read[-1].finished
+        for i in range(2):
+            assert sum((r.outputs[i].delta_token_ids for r in read), []) == list(range(50))
+            assert "".join(r.outputs[i].delta_text for r in read) == "x" * 50
+            assert read[-1].outputs[i].token_ids == list(range(50))
+        assert len(read) == min(50, most)
 
     asyncio.run(scene())
 
 
-def test_a_stalled_consumer_costs_one_pending_output(bundled):
-    """The engine runs a whole request whose consumer reads nothing: what waits for the
-    consumer is one output holding every token once (before: one queued output per step,
-    each with a copy of everything so far)."""
+def test_the_collector_keeps_an_error():
+    async def scene() -> None:
+        c = RequestOutputCollector()
+        c.put(_step(0))
+        c.put(RuntimeError("failed"))
+        c.put(_step(1))  # after an error nothing replaces it
+        assert isinstance(await c.get(), RuntimeError) and c.output is None
+
+    asyncio.run(scene())
+
+
+def test_a_stalled_consumer_costs_one_cumulative_copy(bundled, monkeypatch):
+    """The engine runs a whole request whose consumer reads nothing: what waits is one output
+    with the cumulative fields and a bounded number of delta records (before: one queued
+    output per step, each with a copy of everything so far)."""
     model, tok = bundled
     engine = AsyncEngine(LLMEngine(model, tok, il.EngineConfig(num_kv_blocks=64)))
+    monkeypatch.setattr(RequestOutputCollector, "MAX_PENDING", 4)
 
     async def scene() -> None:
         engine.start()
@@ -138,12 +156,12 @@ def test_a_stalled_consumer_costs_one_pending_output(bundled):
             outputs = await engine.add_request("r", tok.encode("And God said,"), params)
             assert await asyncio.to_thread(wait_for, lambda: engine.num_in_flight == 0, 60)
             await asyncio.sleep(0.05)
-            assert isinstance(outputs, RequestOutputCollector)
-            final = await outputs.get()
-            assert outputs.output is None and final.finished
-            for c in final.outputs:
-                assert len(c.delta_token_ids) == len(c.token_ids) == 40
-                assert c.delta_text == c.text
+            assert isinstance(outputs, RequestOutputCollector) and len(outputs.pending) <= 4
+            read = [await outputs.get() for _ in range(len(outputs.pending))]
+            assert read[-1].finished
+            for c in read[-1].outputs:
+                deltas = sum((r.outputs[c.index].delta_token_ids for r in read), [])
+                assert deltas == c.token_ids and len(c.token_ids) == 40
         finally:
             engine.shutdown()
 

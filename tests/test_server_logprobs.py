@@ -179,7 +179,6 @@ def test_a_request_the_engine_fails_fails_alone(app, server):
     assert "long long" not in plain.text
     for events in others:
         assert events[-1] == "[DONE]"
-        choices = [json.loads(e)["choices"][0] for e in events[:-1]]
-        assert 1 <= len(choices) <= 20 and choices[-1]["finish_reason"] == "length"
+        assert sum(bool(json.loads(e)["choices"]) for e in events[:-1]) == 20
     assert wait_for(lambda: metric(server, "request_failed_total") >= failed + 2)
     assert wait_for(lambda: metric(server, "kv_cache_blocks_used") == 0)

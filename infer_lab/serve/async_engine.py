@@ -5,10 +5,11 @@ connection for that long. So the engine steps in its own thread, and the event l
 it through two doors: a command queue in (add, abort) and one :class:`RequestOutputCollector` per
 request out (each step's new tokens). The engine is never touched from two threads at once.
 
-A collector holds at most one output: a step's output merges into the one its reader has not
-taken yet (vLLM's output collector). Each output carries the request's text, token ids, times and
-log-probabilities *so far*, so a queue of them would cost a client that stops reading n x t^2
-memory; merged, it costs n x t.
+Each output carries the request's text, token ids, times and log-probabilities *so far*, so a
+queue of them would cost a client that stops reading n x t^2 memory. A collector keeps those
+cumulative fields on its newest output only, the older ones reduced to their deltas, and merges
+the oldest when more than a few dozen wait (vLLM's output collector merges every time): a slow
+reader costs n x t.
 
 The event-loop side also keeps the books a server needs before the engine sees a request: how
 many admitted requests are still waiting for their first token (grammar compilations count as
@@ -24,6 +25,7 @@ import dataclasses
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -45,31 +47,53 @@ class EngineDeadError(RequestFailed):
 
 
 class RequestOutputCollector:
-    """The outputs of one request not yet read: at most one, into which later ones merge.
+    """The outputs of one request its reader has not taken yet, in memory O(n x t).
 
-    Merged, an output keeps the latest cumulative fields (text, token ids, times, finish
-    reason) and the concatenation of the deltas its reader has not seen. An exception (the
-    request failed) replaces whatever is pending and stays."""
+    Each engine output carries the request's text, token ids, times and log-probabilities so
+    far: a queue of them costs a reader that stops reading n x t^2. Here only the newest
+    pending output keeps those cumulative fields; older ones keep only their step's deltas, so
+    that a reader a few steps behind still gets one event per step. Past ``MAX_PENDING`` such
+    records the two oldest merge into one (their deltas concatenated, as vLLM's output collector
+    does for every output), so a reader that never reads holds one output's worth of deltas
+    and one copy of the cumulative fields. An exception (the request failed) replaces whatever
+    is pending and stays."""
+
+    MAX_PENDING = 64
 
     def __init__(self) -> None:
-        self.output: RequestOutput | Exception | None = None
+        self.pending: deque[RequestOutput | Exception] = deque()
         self._ready = asyncio.Event()
 
+    @property
+    def output(self) -> RequestOutput | Exception | None:
+        """The newest pending output (None when the reader has taken everything)."""
+        return self.pending[-1] if self.pending else None
+
     def put(self, item: RequestOutput | Exception) -> None:
-        if isinstance(self.output, Exception):
+        if self.pending and isinstance(self.pending[-1], Exception):
             return
-        if self.output is None or isinstance(item, Exception):
-            self.output = item
-        else:
-            self.output = merge_outputs(self.output, item)
+        if isinstance(item, Exception):
+            self.pending.clear()
+        elif self.pending:
+            self.pending[-1] = _deltas_only(self.pending[-1])
+            if len(self.pending) >= self.MAX_PENDING:
+                first = self.pending.popleft()
+                self.pending[0] = merge_outputs(first, self.pending[0])
+        self.pending.append(item)
         self._ready.set()
 
     async def get(self) -> RequestOutput | Exception:
-        while self.output is None:
+        """The oldest pending output (waits for one)."""
+        while not self.pending:
+            self._ready.clear()
             await self._ready.wait()
-        item, self.output = self.output, None
-        self._ready.clear()
-        return item
+        return self.pending.popleft()
+
+
+def _deltas_only(out: RequestOutput) -> RequestOutput:
+    """``out`` without its cumulative fields (a newer output carries them)."""
+    return dataclasses.replace(out, outputs=[dataclasses.replace(
+        c, text="", token_ids=[], token_times=[], logprobs=None) for c in out.outputs])
 
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
