@@ -82,8 +82,8 @@ def _add_request_limits(group: argparse._ArgumentGroup) -> None:
          "slot"),
         ("--max-inflight-tokens", int, 0, "admission budget: tokens the requests in flight may "
          "occupy, each n x (prompt + max_tokens); beyond: 429 (0: twice the KV cache's tokens)"),
-        ("--max-logprobs-per-request", int, 1 << 17, "n x max_tokens x (1 + top_logprobs) at "
-         "most"),
+        ("--max-logprobs-per-request", int, 1 << 18, "n x max_tokens x (1 + top_logprobs) at "
+         "most (one answer filling an 8k context with 20 alternatives per token fits)"),
         ("--send-timeout", float, 10.0, "seconds a send may wait on a client that does not "
          "read; then the request is aborted and the connection closed"),
         ("--send-buffer-bytes", int, 0, "each connection's socket send buffer: what a client "

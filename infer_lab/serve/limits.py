@@ -28,7 +28,10 @@ class ServerLimits:
     - ``max_inflight_tokens``: admission budget over the requests in flight, each counted as
       ``n x (prompt + max_tokens)``, the tokens it can occupy; 0 means twice the KV cache's
       tokens. A request alone is always admitted (if the engine can ever run it).
-    - ``max_logprobs_per_request``: ``n x max_tokens x (1 + top_logprobs)``.
+    - ``max_logprobs_per_request``: ``n x max_tokens x (1 + top_logprobs)`` (a chat without
+      ``max_tokens`` counts the rest of the context): the default lets one answer fill an 8k
+      context with 20 alternatives per token, and keeps a body near 20 MB at most (such a body
+      is built and encoded off the event loop).
     - ``send_timeout``: seconds a send may wait on a client that does not read; then the
       request is aborted and the connection closed. ``send_buffer_bytes``: each connection's
       socket send buffer (0: the OS's, which Linux grows to 4 MB): what a client that does not
@@ -42,7 +45,7 @@ class ServerLimits:
 
     max_n: int = 8
     max_inflight_tokens: int = 0
-    max_logprobs_per_request: int = 1 << 17
+    max_logprobs_per_request: int = 1 << 18
     send_timeout: float = 10.0
     send_buffer_bytes: int = 0
     max_schema_bytes: int = _GRAMMAR.max_bytes

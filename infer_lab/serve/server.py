@@ -123,7 +123,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.conn = StrictConnection(h11.SERVER, self.conn._max_incomplete_event_size)
+        self.conn = StrictConnection(
+            h11.SERVER, self.config.h11_max_incomplete_event_size or 16 * 1024)
         self._send_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
