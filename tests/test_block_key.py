@@ -74,10 +74,9 @@ def test_keys_are_the_same_in_every_process():
     """A second KV tier or another engine can look a block up by its name."""
     code = ("import json, sys; from infer_lab.cache.block_pool import block_key; "
             "k = block_key(None, [1, 2, 3]); print(block_key(k, [4, 5]).hex())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
-            for seed in ("0", "1", "random")}
-    assert outs == {block_key(block_key(None, [1, 2, 3]), [4, 5]).hex() + "\n"}
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
+    assert other == block_key(block_key(None, [1, 2, 3]), [4, 5]).hex() + "\n"
 
 
 def test_the_attackers_blocks_do_not_change_the_victims_answer():
