@@ -175,15 +175,16 @@ def kv_poisoning(repo: Path) -> dict[str, Any]:
 
 
 def slow_reader_memory(repo: Path) -> dict[str, Any]:
-    """One stream of n=8 x 800 tokens with logprobs that its client never reads (no send
-    deadline, to see the queue alone): the server's RSS growth."""
+    """One chat stream of n=8 x 1,200 tokens with 20 log-probabilities each (13 MB of events,
+    far more than the socket buffers hold) whose client never reads; no send deadline, to see
+    what waits for the reader: the server's RSS growth once the engine is done."""
     with serving(repo, "--send-timeout", "0", "--num-kv-blocks", "1024") as s:
         rss0 = s.rss_mb()
-        sock = _stall(s.base, "/v1/completions", {
-            "prompt": "And God said,", "n": 8, "max_tokens": 800, "logprobs": 5,
+        sock = _stall(s.base, CHAT, {
+            "messages": ASK, "n": 8, "max_tokens": 1200, "logprobs": True, "top_logprobs": 20,
             "ignore_eos": True, "stream": True})
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not _generated(s.base, 8 * 800):
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and not _generated(s.base, 8 * 1200):
             time.sleep(1)
         time.sleep(2)
         grew = round(s.rss_mb() - rss0, 1)
