@@ -8,7 +8,9 @@ machine, so only the direction and the order of magnitude mean much.
 
     python -m benchmarks.issue24_attacks [--repo DIR] [--tag after] [--only smuggling,...]
 
-prints one line per attack and writes ``benchmarks/results/issue24_attacks_TAG.json``.
+prints one line per attack and writes ``benchmarks/results/issue24_attacks_TAG.json``. The
+committed ``issue24_attacks.json`` joins a run against main before issue 24 (4dd247b, unpacked
+with ``git archive``) and one against this branch.
 """
 
 from __future__ import annotations
