@@ -24,6 +24,8 @@ Operations that need several blocks check first and change nothing when they can
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
@@ -32,7 +34,8 @@ import numpy as np
 from infer_lab.utils import cdiv, check_positive_int, renamed_keyword
 
 SeqId = Hashable
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
+BlockKey = bytes  # SHA-256 of (the previous block's key, this block's tokens): 32 bytes
+NONE_KEY = bytes(32)  # the "previous key" of a prompt's first block
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -43,10 +46,20 @@ def block_key(parent: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
     """The name of a full block: its tokens and, through ``parent``, every token before them.
 
     Two blocks with equal tokens after different prefixes hold different K/V (attention mixed the
-    prefix in), so the key must include the prefix; chaining the previous key's hash does that in
-    constant size.
+    prefix in), so the key must include the prefix; chaining the previous key does that in
+    constant size. The key is a SHA-256 digest over the parent's key (``NONE_KEY`` for the first
+    block) and the token ids as fixed-width little-endian uint32, and the digest is the whole
+    key: two prompts share a cached block only if they share every token up to its end, unless
+    someone finds a SHA-256 collision. (A key of Python's ``hash()`` is unseeded for ints and
+    invertible step by step, so a client can build a block that another tenant's prompt would
+    hit: vLLM's CVE-2025-25183.) The same tokens give the same key in every process, so a key can
+    name a block in another cache tier or another engine.
     """
-    return (0 if parent is None else hash(parent), tuple(tokens))
+    try:
+        data = struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as e:
+        raise ValueError(f"block tokens must be ids in [0, 2**32): {e}") from None
+    return hashlib.sha256((NONE_KEY if parent is None else parent) + data).digest()
 
 
 class BlockPool:
