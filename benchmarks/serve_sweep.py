@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -54,6 +55,7 @@ import torch
 
 from benchmarks._common import RESULTS, provenance, write_results
 from infer_lab.measure import stats
+from infer_lab.measure.bench import _point as bench_point
 from infer_lab.measure.bench import build_workload, jsonable, parse_bench_args, run_bench
 from infer_lab.measure.loadgen import RequestResult
 from infer_lab.measure.stats import itls, tpot, ttft
@@ -142,17 +144,19 @@ def compact_requests(result: dict[str, Any]) -> None:
     for point in result["points"]:
         per: dict[str, list[float | None]] = {"sent": [], "ttft": [], "tpot": [], "e2el": [],
                                               "max_itl": []}
+        offset = 0.0  # repeats laid one after another on one timeline, as the bench lays them
         for run in point["runs"]:
-            for d in run.pop("requests", []):
-                r = RequestResult.from_dict(d)
+            done = [RequestResult.from_dict(d) for d in run.pop("requests", [])]
+            for r in done:
                 if not r.success:
                     continue
                 gaps = itls(r)
-                per["sent"].append(_ms(r.sent))
+                per["sent"].append(_ms(r.sent + offset))
                 per["ttft"].append(_ms(ttft(r)))
                 per["tpot"].append(_ms(tpot(r)))
                 per["e2el"].append(_ms(r.chunk_times[-1] - r.sent))
                 per["max_itl"].append(_ms(max(gaps)) if gaps else None)
+            offset += max((r.end for r in done if not math.isnan(r.end)), default=0.0) + 1.0
         point["per_request_ms"] = per
 
 
@@ -263,24 +267,66 @@ def reanalyse(out: Path) -> None:
         print(f"reanalysed {write_results(name, jsonable(payload), out)}")
 
 
+def pooled_rounds(rounds: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+    """One bench result from several rounds at the same load: every request pooled.
+
+    Each round is an independent repeat (its own server warm-up, its own seed); the point's
+    metrics are those of all requests together, its intervals come from the pooled requests
+    laid round after round on one timeline, and ``spread`` says how far the rounds disagreed.
+    """
+    first = rounds[0]
+    runs, pooled, offsets, offset = [], [], [], 0.0
+    for rep, result in enumerate(rounds):
+        run = result["points"][0]["runs"][0]
+        done = [RequestResult.from_dict(d) for d in run["requests"]]
+        runs.append({**run, "repeat": rep})
+        pooled += done
+        offsets += [offset] * len(done)
+        offset += max((r.end for r in done if not math.isnan(r.end)), default=0.0) + 1.0
+    duration = sum(run["summary"]["duration"] for run in runs)
+    load = first["points"][0]["load"]
+    point = bench_point("closed", load, runs, 0, pooled, seed, offsets)
+    point["metrics"] = stats.scalars(stats.summarize(pooled, duration))
+    meta = {**first["meta"], "num_requests": len(pooled), "repeats": len(rounds),
+            "seeds": [r["meta"]["seed"] for r in rounds]}
+    result = {"meta": meta, "points": [point]}
+    compact_requests(result)
+    return result
+
+
 def measure_knobs(args: argparse.Namespace) -> dict[str, Any]:
-    """The scheduler settings of :data:`KNOBS`, each on a fresh server, at one load."""
-    configs = {}
-    for name, extra in KNOBS.items():
-        with served(extra) as base:
-            print(f"\n== knobs: {name} ({' '.join(extra) or 'no extra arguments'})")
-            result = bench(base, [args.knobs_concurrency], args.knobs_n,
-                           args.knobs_input_len, args.knobs_output_len, args.seed, None)
-        configs[name] = {"server_args": extra, "result": result}
+    """The scheduler settings of :data:`KNOBS` at one load, in interleaved rounds.
+
+    One server per setting, all started first; then round after round, each setting in turn
+    gets ``knobs_n / knobs_rounds`` requests (a fresh seed each round, so no prompt repeats
+    into a prefix-cache hit). On a shared machine the load drifts: interleaving spreads the
+    drift over every setting alike instead of handing it to whichever ran last.
+    """
+    per_round = -(-args.knobs_n // args.knobs_rounds)
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in KNOBS}
+    with contextlib.ExitStack() as stack:
+        bases = {name: stack.enter_context(served(extra)) for name, extra in KNOBS.items()}
+        for rnd in range(args.knobs_rounds):
+            for name in KNOBS:
+                print(f"\n== knobs round {rnd + 1}/{args.knobs_rounds}: {name}")
+                argv = ["--base-url", bases[name], "--concurrency",
+                        str(args.knobs_concurrency), "-n", str(per_round), "--input-len",
+                        str(args.knobs_input_len), "--output-len", str(args.knobs_output_len),
+                        "--seed", str(args.seed + rnd), "--save-requests", "--no-progress"]
+                rounds[name].append(run_bench(parse_bench_args(argv)))
+    configs = {name: {"server_args": KNOBS[name], "result": pooled_rounds(rs, args.seed)}
+               for name, rs in rounds.items()}
     knobs = {
-        "workload": {"concurrency": args.knobs_concurrency, "num_requests": args.knobs_n,
+        "workload": {"concurrency": args.knobs_concurrency,
+                     "num_requests": per_round * args.knobs_rounds, "rounds": args.knobs_rounds,
                      "input_len": args.knobs_input_len, "output_len": args.knobs_output_len,
                      "seed": args.seed},
         "configs": configs,
     }
     plot_knobs(knobs, args.out / "serve_sweep_knobs.png")
-    print(f"\nknobs at C={args.knobs_concurrency}, N={args.knobs_n}, input "
-          f"{args.knobs_input_len} / output {args.knobs_output_len}, seed {args.seed}:")
+    print(f"\nknobs at C={args.knobs_concurrency}, N={per_round * args.knobs_rounds} in "
+          f"{args.knobs_rounds} rounds, input {args.knobs_input_len} / output "
+          f"{args.knobs_output_len}:")
     print(f"{'setting':32} {'out tok/s':>9} {'TTFT p50/p90 ms':>17} {'ITL p50/p99 ms':>16}")
     for name, cfg in configs.items():
         m = cfg["result"]["points"][0]["metrics"]
@@ -326,6 +372,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "(default: %(default)s)")
     p.add_argument("--knobs-input-len", type=int, default=1024)
     p.add_argument("--knobs-output-len", type=int, default=32)
+    p.add_argument("--knobs-rounds", type=int, default=4,
+                   help="interleaved rounds the knob requests are split into (default: "
+                        "%(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--note", default=None, help="a note stored in the JSON (how it was run)")
     p.add_argument("--only-knobs", action="store_true",
