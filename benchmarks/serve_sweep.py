@@ -210,6 +210,8 @@ def plot_knobs(knobs: dict[str, Any], path: Path) -> Path:
 def rebuilt_send_times(point: dict[str, Any], meta: dict[str, Any]) -> tuple[np.ndarray, str]:
     """Each request's send time (s) for a point that kept none, and how it was rebuilt."""
     per = point["per_request_ms"]
+    if per.get("sent"):
+        return np.array(per["sent"], dtype=float) / 1e3, "measured send times"
     if point["mode"] == "closed":
         e2el = np.array(per["e2el"], dtype=float) / 1e3
         return (stats.closed_loop_send_times(e2el, int(point["load"])),
@@ -255,15 +257,17 @@ def reanalyse(out: Path) -> None:
         if not path.exists():
             continue
         payload = json.loads(path.read_text())
-        sweep = payload["sweep"]
-        for point in sweep["points"]:
-            if "ci_block" in point and "timeline" not in point:
-                continue  # measured by a bench that computed them from real send times
-            sent, how = rebuilt_send_times(point, sweep["meta"])
-            point.update(dependence(point, sent, sweep["meta"]["seed"]), timeline=how)
+        results = [payload["sweep"]] + [cfg["result"] for cfg in
+                                        payload.get("knobs", {}).get("configs", {}).values()]
+        for result in results:
+            for point in result["points"]:
+                if "ci_block" in point and "timeline" not in point:
+                    continue  # measured by a bench that computed them from real send times
+                sent, how = rebuilt_send_times(point, result["meta"])
+                point.update(dependence(point, sent, result["meta"]["seed"]), timeline=how)
         payload["reanalysis"] = {**provenance("cpu"), "what": "ci_block, stall_events_p99 and "
-                                 "timeline added to each sweep point by --reanalyse; the "
-                                 "measured numbers are unchanged"}
+                                 "timeline added to each sweep and knobs point by --reanalyse; "
+                                 "the measured numbers are unchanged"}
         print(f"reanalysed {write_results(name, jsonable(payload), out)}")
 
 

@@ -368,3 +368,17 @@ def test_the_bench_counts_stall_events_and_warns_when_a_tail_is_one_event():
     table = bench.ci_table([point])
     assert "time-block" in table[0] and " ev |" in table[1]
     assert table[3].split("|")[1].split()[-2:] == ["10", "1"]  # TTFT: 10 beyond, 1 event
+
+
+def test_median_ci_from_independent_repeats():
+    # seven rounds: the interval is their smallest to their largest (coverage 1 - 2/128 = 98%)
+    rounds = [0.15, -0.26, -0.085, 0.115, 0.13, -0.085, 0.134]
+    assert stats.median_ci(rounds) == (-0.26, 0.15)
+    assert stats.median_ci(range(21)) == (5.0, 15.0)  # the 6th smallest to the 6th largest
+    assert all(math.isnan(x) for x in stats.median_ci(range(5)))  # five: at best 94%
+    rng = np.random.default_rng(0)
+    hits = sum(lo <= math.log(2) <= hi
+               for lo, hi in (stats.median_ci(rng.exponential(1.0, 21)) for _ in range(1000)))
+    assert 0.95 <= hits / 1000 <= 0.99  # exact order statistics: at least the nominal level
+    with pytest.raises(ValueError):
+        stats.median_ci(rounds, level=1.0)

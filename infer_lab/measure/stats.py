@@ -281,6 +281,28 @@ def merge_periods(starts: Sequence[float] | np.ndarray,
     return [(float(a), float(b)) for a, b in merged]
 
 
+def median_ci(values: Sequence[float] | np.ndarray,
+              level: float = CI_LEVEL) -> tuple[float, float]:
+    """A distribution-free interval for the median of independent repeats (order statistics).
+
+    The median lies below the k-th smallest of n repeats with probability P(Binomial(n, ½) >=
+    k), whatever the distribution: the interval runs from the k-th smallest to the k-th largest
+    for the largest k that keeps at least ``level`` coverage. Six repeats are the fewest with a
+    95% interval (their smallest to their largest, 97%); with fewer there is none (NaN).
+    """
+    v = np.sort(np.asarray(values, dtype=float))
+    n = v.size
+    if not 0 < level < 1:
+        raise ValueError("level must be in (0, 1)")
+    # P(the median is outside [v_k, v_{n-k+1}]) = 2 P(Binomial(n, 1/2) <= k - 1)
+    below = np.cumsum([math.comb(n, i) for i in range(n + 1)]) / 2.0**n
+    ks = [k for k in range(1, n // 2 + 1) if 2 * below[k - 1] <= 1 - level]
+    if not ks:
+        return (math.nan, math.nan)
+    k = max(ks)
+    return (float(v[k - 1]), float(v[n - k]))
+
+
 def closed_loop_send_times(e2el: Sequence[float] | np.ndarray, concurrency: int) -> np.ndarray:
     """When each request of a closed loop was sent, rebuilt from the E2ELs in send order.
 
