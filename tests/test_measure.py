@@ -345,7 +345,8 @@ def chapter7_checks() -> dict:
     text = (Path(__file__).parents[1] / "chapters" / "07_measurement.md").read_text()
     cells = re.findall(r"```\{code-cell\} ipython3\n(.*?)```", text, flags=re.S)
     (source,) = [c for c in cells if "def check_1(" in c]
-    ns = {"math": math, "stats": stats, "RequestResult": RequestResult, "capacity": capacity}
+    ns = {"math": math, "np": np, "stats": stats, "RequestResult": RequestResult,
+          "capacity": capacity}
     exec(source, ns)  # noqa: S102 - the chapter's own code, read from the repository
     return ns
 
@@ -365,6 +366,13 @@ def test_chapter7_checks_reject_wrong_answers_and_accept_the_solutions(capsys):
     little = 16 / p16["metrics"]["request_throughput"]
     strict = capacity(sweep["points"], {"ttft": 0.250, "tpot": 0.100}, 100).replicas or 0
     n_999 = next(n for n in range(9000, 11000) if beyond(n, 99.9) >= 10)
+    from infer_lab.measure import stats
+
+    p8 = next(p for p in sweep["points"] if p["load"] == 8)
+    sent8 = stats.closed_loop_send_times(np.array(p8["per_request_ms"]["e2el"]) / 1e3, 8)
+    ttft8 = np.array(p8["per_request_ms"]["ttft"]) / 1e3
+    events = stats.stall_events(ttft8, sent8)
+    assert events < beyond(len(ttft8), 99)  # the answer is not the sample count
     cases = [
         ("check_1", (0.075,), (0.70 / 5,)),  # E2EL / tokens is not TPOT
         ("check_2", ("inter_token_latency_ms",), ("time_per_output_token_ms",)),
@@ -372,6 +380,7 @@ def test_chapter7_checks_reject_wrong_answers_and_accept_the_solutions(capsys):
         ("check_4", (strict, sweep), (strict + 1, sweep)),
         ("check_5", (n_999,), (n_999 + 1,)),  # enough, but not the least
         ("check_6", (2.50 / 7.2,), (2.50 / 2000,)),
+        ("check_7", (events, sweep), (beyond(len(ttft8), 99), sweep)),  # samples, not events
     ]
     for name, right, wrong in cases:
         ns[name](*right)
@@ -379,3 +388,34 @@ def test_chapter7_checks_reject_wrong_answers_and_accept_the_solutions(capsys):
             ns[name](*wrong)
     ns["check_1"](None)  # not answered: a reminder, not a failure
     assert "not answered yet" in capsys.readouterr().out
+
+
+def test_the_guidellm_appendix_quotes_the_committed_result():
+    """book/guidellm.md is plain Markdown (it is not executed): every figure in its tables must
+    be what benchmarks/results/guidellm_compare.json holds, rounded as printed."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    data = json.loads((root / "benchmarks" / "results" / "guidellm_compare.json").read_text())
+    page = (root / "book" / "guidellm.md").read_text()
+    assert f"guidellm {data['guidellm_version'].split()[-1]}" in page
+    assert f"commit {data['commit']}, {data['date'][:10]}" in page
+    names = {"TTFT": 0, "TPOT": 1, "E2EL": 2}
+    rows = re.findall(r"^\| (\d+) \| (TTFT|TPOT|E2EL) \| [^|]+ \| ([\d.]+) \| ([\d.]+) \| "
+                      r"([+-]\d+)% \|$", page, flags=re.M)
+    assert len(rows) == 3 * len(data["points"])
+    for c, metric, ours, theirs, diff in rows:
+        pt = next(p for p in data["points"] if p["concurrency"] == int(c))
+        r = pt["rows"][names[metric]]
+        assert (ours, theirs) == (f"{r['ours_p50']:.1f}", f"{r['guidellm_p50']:.1f}")
+        assert int(diff) == round(100 * r["diff_p50"])
+    seen = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", page, flags=re.M)
+    assert len(seen) == len(data["points"])
+    for c, ours, theirs in seen:
+        pt = next(p for p in data["points"] if p["concurrency"] == int(c))
+        assert ours == f"{pt['server_mean_ms']['infer_lab']['itl']:.1f}"
+        assert theirs == f"{pt['server_mean_ms']['guidellm']['itl']:.1f}"
+    n = min(p["guidellm"]["num_requests"] for p in data["points"])
+    assert data["workload"]["num_requests"] == 160 and beyond(160, 99) <= 2 and n >= 150

@@ -341,8 +341,10 @@ def test_closed_loop_send_times_rebuild_a_closed_loop():
     assert np.allclose(stats.closed_loop_send_times(latency, 3), sent)
     # by hand: two clients; requests of 1, 3, 1, 1 s go out at 0, 0, 1 and 2
     assert stats.closed_loop_send_times([1, 3, 1, 1], 2).tolist() == [0, 0, 1, 2]
-    with pytest.raises(ValueError):
-        stats.closed_loop_send_times([1.0], 0)
+    assert stats.closed_loop_send_times([1, 3, 1, 1], 2.0).tolist() == [0, 0, 1, 2]  # JSON
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError):
+            stats.closed_loop_send_times([1.0], bad)
 
 
 def test_the_bench_counts_stall_events_and_warns_when_a_tail_is_one_event():

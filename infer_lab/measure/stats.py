@@ -303,7 +303,8 @@ def median_ci(values: Sequence[float] | np.ndarray,
     return (float(v[k - 1]), float(v[n - k]))
 
 
-def closed_loop_send_times(e2el: Sequence[float] | np.ndarray, concurrency: int) -> np.ndarray:
+def closed_loop_send_times(e2el: Sequence[float] | np.ndarray,
+                           concurrency: float) -> np.ndarray:
     """When each request of a closed loop was sent, rebuilt from the E2ELs in send order.
 
     ``infer-lab bench`` gives request i to whichever of the C clients is free first, and that
@@ -313,9 +314,9 @@ def closed_loop_send_times(e2el: Sequence[float] | np.ndarray, concurrency: int)
     """
     import heapq
 
-    if concurrency < 1:
-        raise ValueError("concurrency must be at least 1")
-    free = [0.0] * concurrency
+    if concurrency < 1 or concurrency != int(concurrency):
+        raise ValueError("concurrency must be a whole number, at least 1")
+    free = [0.0] * int(concurrency)  # a sweep's load may come as 8.0
     sent = np.empty(len(e2el))
     for i, latency in enumerate(np.asarray(e2el, dtype=float)):
         sent[i] = heapq.heappop(free)
