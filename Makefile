@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: help install models test lint unit pairing notebooks book-check book generate serve clean \
-	gpu-compile colab-check notebooks-bf16 sync-notebooks
+	gpu-compile colab-check notebooks-bf16 sync-notebooks page-width
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PROMPT ?= And God said,
@@ -79,6 +79,11 @@ book-check: $(STAMP)
 book: $(STAMP)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 	@echo "open _build/html/index.html"
+
+# The rendered chapters at a 1280-pixel browser window: every code line shown whole, screenshots
+# in _build/screenshots (needs Debian's chromium; not a CI step: CI has no browser).
+page-width: book-check
+	$(BIN)/python scripts/check_page_width.py
 
 # Compile every Triton kernel for sm_75, sm_80 and sm_90a without a GPU, with the Triton CI
 # installs and with TRITON_GPU_SPEC (the GPU machine's Triton) in a venv of its own that borrows
