@@ -113,6 +113,7 @@ colab-check:
 # CI run. (Chapter 9 pins its models to fp32.)
 BF16_CHAPTERS ?= chapters/02_kv_cache.ipynb chapters/03_paged_kv_cache.ipynb \
 	chapters/04_gpu_kernels.ipynb chapters/05_continuous_batching.ipynb \
+	chapters/05b_prefix_caching_and_cuda_graphs.ipynb \
 	chapters/10_beyond_one_machine.ipynb chapters/11_structured_output.ipynb
 notebooks-bf16: $(STAMP)
 	INFER_LAB_DTYPE=bfloat16 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(BIN)/python -m pytest -p nbval \
