@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv = srv.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, default=None)
     kv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    # spelled out so that -h imports no torch; tests/test_cli.py checks them against the package
     srv.add_argument("--policy", choices=["continuous", "static"], default="continuous")
     srv.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
                      help="weights in int8, int4 (groups of 32) or a GGUF file's own blocks")

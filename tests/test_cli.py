@@ -62,3 +62,18 @@ def test_console_script_is_installed(ckpt):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("Prefill")
+
+
+def test_the_serve_choices_are_the_package_lists():
+    """The command line spells its choices out (``infer-lab -h`` must not import torch); they
+    must be the lists the engine checks against."""
+    from infer_lab.cache.kv_quant import KV_CACHE_DTYPES
+    from infer_lab.cli import build_parser
+    from infer_lab.engine.config import POLICIES
+    from infer_lab.model.quantize import QUANTIZATIONS
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    choices = {a.dest: tuple(a.choices) for a in serve._actions if a.choices}
+    assert choices["policy"] == POLICIES
+    assert choices["quantization"] == QUANTIZATIONS
+    assert choices["kv_cache_dtype"] == KV_CACHE_DTYPES

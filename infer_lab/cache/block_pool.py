@@ -171,6 +171,15 @@ class BlockPool:
                 if not self.enable_caching and self._key[block] is not None:
                     self._forget(block)
 
+    def copy_on_write(self, block: int) -> int:
+        """A private block for one holder of shared ``block``: a new block is taken, that holder's
+        reference to ``block`` is given back (the others keep theirs), and the new block is
+        returned. The caller puts it in its table and copies the contents ``block -> new`` before
+        the next write (a partly filled last block shared after a fork)."""
+        (new,) = self.get_new_blocks(1)
+        self.free_blocks([block])
+        return new
+
     def return_unwritten(self, blocks: Sequence[int]) -> None:
         """Give back blocks just taken with :meth:`get_new_blocks` and not kept (speculative
         decoding's rejected lookahead): each goes to the *front* of the free queue, in the order
@@ -287,10 +296,8 @@ class BlockManager:
         copies = []
         if self._last_block_shared_and_partial(seq_id):
             src = table[-1]
-            (dst,) = self.pool.get_new_blocks(1)
-            self.pool.free_blocks([src])  # this sequence's reference only; the other keeps it
-            table[-1] = dst
-            copies.append((src, dst))
+            table[-1] = self.pool.copy_on_write(src)
+            copies.append((src, table[-1]))
         self._num_tokens[seq_id] += num_new
         fresh = cdiv(self._num_tokens[seq_id], self.block_size) - len(table)
         table += self.pool.get_new_blocks(fresh)

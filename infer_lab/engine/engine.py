@@ -119,6 +119,7 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
+        assert self.config.max_model_len is not None  # resolve_config filled it
         return self.config.max_model_len
 
     # ------------------------------------------------------------------ the step
@@ -166,7 +167,9 @@ class LLMEngine:
         """Parallel samples: a request whose prompt was just prefilled becomes n sequences."""
         if all(s.request.forked for s in seqs):
             return logits, seqs
-        rows, forked, r = [], [], 0
+        rows: list[int] = []
+        forked: list[Sequence] = []
+        r = 0
         for seq in seqs:
             width = 1 + len(seq.spec_token_ids)  # a speculating sequence's rows
             rows += range(r, r + width)
@@ -226,6 +229,7 @@ class LLMEngine:
                 f"the prompt has {num_prompt} tokens and max_tokens is {params.max_tokens}: "
                 f"{total} tokens exceed the model's context of {self.max_model_len}")
         need = cdiv(total, self.config.block_size)
+        assert self.config.num_kv_blocks is not None  # resolve_config filled it
         if need > self.config.num_kv_blocks:
             raise ValueError(f"this request may need {need} KV blocks but the pool has only "
                              f"{self.config.num_kv_blocks}")

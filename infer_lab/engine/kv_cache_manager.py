@@ -131,9 +131,7 @@ class KVCacheManager:
             pool.touch(computed_blocks)
             table += computed_blocks
         if cow:
-            src = table[-1]
-            (dst,) = pool.get_new_blocks(1)
-            pool.free_blocks([src])  # this sequence's reference; its siblings keep theirs
+            src, dst = table[-1], pool.copy_on_write(table[-1])
             table = seq.block_table = table[:-1] + [dst]  # a new list: an entry changed
             self.pending_copies.append((src, dst))
         seq.shared_tail = False

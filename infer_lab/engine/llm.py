@@ -70,26 +70,28 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); one params object, or one per prompt."""
+        batch: list[Prompt]
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
         ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if not prompts:
+            batch = [prompts]  # type: ignore[list-item]  # one prompt: text or token ids
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        if not batch:
             return []
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
+            params = [sampling_params] * len(batch)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+            if len(params) != len(batch):
+                raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
         engine = self.engine
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        ids = [f"gen-{next(self._ids)}" for _ in batch]
         added = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
+            for rid, prompt, p in zip(ids, batch, params):
                 engine.add_request(rid, prompt, p)
                 added.append(rid)
             return self._run(ids, use_tqdm)

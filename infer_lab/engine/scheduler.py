@@ -236,6 +236,18 @@ class Scheduler:
         if not seq.request.forked:
             self._reserved_slots -= seq.request.params.n - 1
 
+    def add_forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Parallel samples: ``children`` share ``parent``'s blocks and take reserved slots."""
+        parent.request.forked = True
+        self._reserved_slots -= len(children)
+        at = self.running.index(parent) + 1
+        for child in children:
+            self.kv.fork(parent, child)
+            child.num_computed = parent.num_computed
+            child.status = SequenceStatus.RUNNING
+            child.slot = heapq.heappop(self._free_slots)
+        self.running[at:at] = children
+
 
 class ContinuousScheduler(Scheduler):
     """Iteration-level batching with a token budget, chunked prefill and preemption."""
@@ -335,18 +347,6 @@ class ContinuousScheduler(Scheduler):
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def add_forked(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Parallel samples: ``children`` share ``parent``'s blocks and take reserved slots."""
-        parent.request.forked = True
-        self._reserved_slots -= len(children)
-        at = self.running.index(parent) + 1
-        for child in children:
-            self.kv.fork(parent, child)
-            child.num_computed = parent.num_computed
-            child.status = SequenceStatus.RUNNING
-            child.slot = heapq.heappop(self._free_slots)
-        self.running[at:at] = children
-
     def finish(self, seqs: list[Sequence]) -> None:
         """Finished sequences leave at once: their blocks and slots serve the next step."""
         for seq in seqs:
@@ -365,6 +365,7 @@ class StaticScheduler(Scheduler):
                  eos_ids: Collection[int] = (),
                  structured: StructuredOutputs | None = None) -> None:
         super().__init__(config, kv, eos_ids, structured)
+        assert config.max_model_len is not None  # resolve_config filled it
         self.budget = max(self.budget, config.max_model_len)  # whole prompts, never chunked
 
     def check(self, params: SamplingParams) -> None:

@@ -39,9 +39,10 @@ class StopMatcher:
         for end in range(max(searched, 0), len(text)):
             node, j = trie, end
             while j >= 0:
-                node = node.get(text[j])
-                if node is None:
+                child = node.get(text[j])
+                if child is None:
                     break
+                node = child
                 work += 1
                 stop = node.get(_END)
                 if stop is not None and (best is None or (j, stop) < best):

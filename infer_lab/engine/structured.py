@@ -98,7 +98,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     whitespace: bool = False
-    key: tuple[str, str] = field(init=False, repr=False, compare=False)
+    key: tuple[str, str, bool] = field(init=False, repr=False, compare=False)
     # set by StructuredOutputs.prepare: the engine then uses this grammar, not a cache lookup
     compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -204,8 +204,8 @@ class StructuredOutputs:
             raise GrammarLimitError(f"the {kind.replace('_', ' ')} constraint is "
                                     f"{len(text.encode('utf-8'))} bytes; the limit is "
                                     f"{lim.max_bytes}", "grammar_size")
-        if kind == "choice" and len(spec.choice) > lim.max_enum_values:
-            raise GrammarLimitError(f"choice has {len(spec.choice)} strings; the limit is "
+        if kind == "choice" and len(spec.choice or ()) > lim.max_enum_values:
+            raise GrammarLimitError(f"choice has {len(spec.choice or ())} strings; the limit is "
                                     f"{lim.max_enum_values}", "enum_values")
         if kind == "json":
             depth, values = _schema_shape(json.loads(text))
@@ -269,7 +269,7 @@ class StructuredOutputs:
                 return self._compiler.compile_regex(text)
             if kind == "choice":
                 return self._compiler.compile_regex(
-                    "|".join(f"({_escape_regex(c)})" for c in spec.choice))
+                    "|".join(f"({_escape_regex(c)})" for c in spec.choice or ()))
             return self._compiler.compile_grammar(text)
         except RecursionError:
             raise StructuredOutputError(f"the {kind} constraint is nested too deeply") from None

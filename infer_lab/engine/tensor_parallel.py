@@ -123,7 +123,7 @@ class TensorParallelWorkers:
             shutil.rmtree(tmp, ignore_errors=True)
         driver = shard_model(model, 0, tp)
         driver.__class__ = TensorParallelDriver
-        driver.tp_workers = workers
+        driver.tp_workers = workers  # type: ignore[assignment]  # the class was just swapped
         cls._active = workers
         atexit.register(workers.shutdown)
         return driver  # type: ignore[return-value]
