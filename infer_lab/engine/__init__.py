@@ -7,15 +7,23 @@ from infer_lab.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ("EngineConfig",),
+    ".cuda_graphs": ("CUDAGraphs",),
     ".engine": ("EngineStats", "LLMEngine", "StepRecord"),
+    ".executor": ("Executor",),
     ".kv_cache_manager": ("KVCacheManager",),
     ".llm": ("LLM",),
     ".model_runner": ("ModelRunner",),
-    ".outputs": ("CompletionOutput", "RequestMetrics", "RequestOutput", "TokenLogprobs"),
+    ".output_processor": ("OutputProcessor",),
+    ".outputs": (
+        "CompletionOutput", "RequestFailure", "RequestMetrics", "RequestOutput",
+        "SpecDecodeCounts", "TokenLogprobs",
+    ),
     ".sampler": ("Sampler",),
     ".sampling_params": ("SamplingParams",),
     ".scheduler": (
         "ContinuousScheduler", "Scheduler", "SchedulerOutput", "StaticScheduler", "make_scheduler",
     ),
     ".sequence": ("Request", "Sequence", "SequenceStatus"),
+    ".spec_decode": ("SpeculativeDecoder",),
+    ".step_sampler": ("SampledTokens", "StepSampler"),
 })
