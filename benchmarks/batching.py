@@ -72,7 +72,8 @@ def run_transformers(prompts, reqs, max_batch: int, pad_id: int) -> dict:
 
 
 def cpu_cost_per_step(model, tok, num_seqs: int = 256, steps: int = 200) -> dict:
-    """Scheduler + runner time per decode step of ``num_seqs`` sequences, forward a no-op."""
+    """Scheduler + runner time per decode step of ``num_seqs`` sequences, forward a no-op: the
+    time ``step()`` spends in ``schedule`` and ``execute_model``, and the whole step."""
     vocab = model.config.vocab_size
     engine = il.engine.LLMEngine(model, tok, max_num_seqs=num_seqs, max_num_batched_tokens=8192,
                                  num_kv_blocks=num_seqs * 40, enable_prefix_caching=False)
@@ -84,19 +85,26 @@ def cpu_cost_per_step(model, tok, num_seqs: int = 256, steps: int = 200) -> dict
                            il.SamplingParams(max_tokens=500, temperature=0, ignore_eos=True,
                                              detokenize=False))
     engine.step()  # all prefills
-    sched_runner, whole = [], []
+    spent: list[float] = []
+
+    def timed(part):  # the time a part of step() takes, added to this step's entry
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return part(*args, **kwargs)
+            finally:
+                spent[-1] += time.perf_counter() - t
+        return run
+
+    engine.scheduler.schedule = timed(engine.scheduler.schedule)
+    engine.executor.execute_model = timed(engine.executor.execute_model)
+    whole = []
     for _ in range(steps):
+        spent.append(0.0)
         t0 = time.perf_counter()
-        out = engine.scheduler.schedule()
-        engine.runner.execute(out)
-        t1 = time.perf_counter()
-        for seq, n in zip(out.seqs, out.num_new):  # what step() does next, minus sampling
-            seq.num_computed += n
-            seq.token_ids.append(0)
-        sched_runner.append(t1 - t0)
-        t2 = time.perf_counter()
         engine.step()
-        whole.append(time.perf_counter() - t2)
+        whole.append(time.perf_counter() - t0)
+    sched_runner = spent
     running = engine.get_stats().num_running
     for rid in list(engine.requests):
         engine.abort(rid)
