@@ -1,0 +1,14 @@
+"""The benchmarks' helpers that drive the engine's internals still run against the engine (a
+refactor of ``step()`` once broke ``cpu_cost_per_step`` without a test noticing)."""
+
+from __future__ import annotations
+
+import infer_lab as il
+from benchmarks.batching import cpu_cost_per_step
+
+
+def test_cpu_cost_per_step_runs_every_sequence_through_whole_steps():
+    model, tok = il.load()
+    cost = cpu_cost_per_step(model, tok, num_seqs=8, steps=5)
+    assert cost["num_seqs"] == 8  # none failed, none finished
+    assert 0 < cost["scheduler_runner_us"] < cost["full_step_us"]
