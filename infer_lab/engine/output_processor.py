@@ -51,7 +51,7 @@ class OutputProcessor:
     def _add_tokens(self, seq: Sequence, run: Run, now: float) -> tuple[int, str] | None:
         """Record and detokenize the tokens the scheduler kept, stopping at a stop string."""
         done = len(seq.token_times)
-        new = seq.output_token_ids[done:]
+        new = seq.token_ids[seq.num_prompt_tokens + done :]  # one copy of the new tokens only
         stop_ids = seq.request.stop_ids
         for j, token in enumerate(new):
             seq.token_times.append(now)
@@ -134,7 +134,8 @@ def completion(seq: Sequence, text: str, num_tokens: int, finish_reason: str | N
                delta_from: int) -> CompletionOutput:
     """``seq``'s first ``num_tokens`` output tokens as a :class:`CompletionOutput`, with the
     tokens from ``delta_from`` on as this step's delta."""
-    ids = seq.output_token_ids[:num_tokens]
+    start = seq.num_prompt_tokens
+    ids = seq.token_ids[start : start + num_tokens]
     lps = None if seq.logprobs is None else seq.logprobs[:num_tokens]
     return CompletionOutput(
         index=seq.index, text=text, token_ids=ids, finish_reason=finish_reason,
@@ -146,9 +147,11 @@ def completion(seq: Sequence, text: str, num_tokens: int, finish_reason: str | N
 
 def request_metrics(request: Request) -> RequestMetrics:
     """A request's timestamps and its samples' speculative-decoding counts, summed."""
-    counts = [s.spec_counts for s in request.seqs]
+    drafts = draft_tokens = accepted = 0
+    for seq in request.seqs:
+        c = seq.spec_counts
+        drafts, draft_tokens = drafts + c.num_drafts, draft_tokens + c.num_draft_tokens
+        accepted += c.num_accepted_tokens
     return RequestMetrics(request.arrival_time, request.first_scheduled_time,
-                          request.first_token_time, request.finish_time,
-                          sum(c.num_drafts for c in counts),
-                          sum(c.num_draft_tokens for c in counts),
-                          sum(c.num_accepted_tokens for c in counts))
+                          request.first_token_time, request.finish_time, drafts, draft_tokens,
+                          accepted)
