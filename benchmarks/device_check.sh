@@ -18,7 +18,8 @@
 #                   python -m benchmarks.cuda_graphs: one decode engine.step() eager vs graphs at
 #                   batch 1, 8, 32, same tokens checked (cuda_graphs.json; commit it under
 #                   benchmarks/results/gpu/ and Chapter 5b prints it);
-#   5. kernels      python -m benchmarks.kernels: GB/s against the copy ceiling, and eager torch;
+#   5. kernels      python -m benchmarks.kernels: GB/s against the copy ceiling, and eager torch
+#                   (kernels.json; commit it under benchmarks/results/gpu/ and Chapter 4 prints it);
 #   6. quant_kernels python -m benchmarks.quantization --gpu-kernels: W8A16/W4A16 GB/s.
 #   7. engine       python -m benchmarks.engine_gpu: a random-weight Llama-3.2-1B-shaped model in
 #                   bf16, batch-1 decode eager / CUDA graphs against copy bandwidth / weight bytes,

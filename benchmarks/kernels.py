@@ -14,6 +14,10 @@ it runs a *CPU smoke test* instead: toy sizes through Triton's interpreter, to p
 runs; those numbers say nothing about performance.
 
     python -m benchmarks.kernels [--cpu-smoke] [--out DIR]
+
+On a GPU it writes ``results/gpu/kernels.json`` (device results are committed under
+``benchmarks/results/gpu/``, where Chapter 4 reads them); the CPU smoke test writes
+``results/kernels_cpu_smoke.json``. ``--out DIR`` writes to DIR instead (device_check.sh's $OUT).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import print_table, provenance, write_results
+from benchmarks._common import RESULTS, print_table, provenance, write_results
 from infer_lab import kernels
 from infer_lab.cache import build_paged_batch
 from infer_lab.kernels.reference import rms_norm_ref, rope_ref, silu_and_mul_ref, store_kv_ref
@@ -182,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="toy sizes through the interpreter (automatic without a GPU)")
-    ap.add_argument("--out", type=Path, default=None, help="directory for kernels.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="directory for the JSON (default: results/gpu/ on a GPU, results/ on CPU)")
     args = ap.parse_args(argv)
     if not kernels.triton_available():
         raise SystemExit("Triton is not installed: nothing to benchmark")
@@ -209,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
     payload = {**provenance("cuda" if gpu else "cpu"), "mode": "gpu" if gpu else "cpu-smoke",
                "dtype": str(dtype), "copy_bandwidth": copy_bw, "rows": rows, "targets": checks}
-    print("wrote", write_results("kernels" if gpu else "kernels_cpu_smoke", payload, args.out))
+    out = args.out or (RESULTS / "gpu" if gpu else RESULTS)
+    print("wrote", write_results("kernels" if gpu else "kernels_cpu_smoke", payload, out))
 
 
 if __name__ == "__main__":
