@@ -81,7 +81,8 @@ CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time
 # ---------------------------------------------------------------------------- kernels
 def kernel_paths(repeats: int, clock: Callable[[], float] = time.perf_counter) -> list[dict]:
     """Each CPU matmul path at SmolLM2's shapes, interleaved repeat by repeat (by ``clock``):
-    the median time of each, its fastest and slowest repeat, and the speedup of the medians."""
+    the median time of each, its fastest and slowest repeat, the speedup of the medians, and
+    every repeat's time in order (``us_each``: repeat i of two paths ran back to back)."""
     shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
               "lm_head": (49152, 576)}
     rows_out = []
@@ -130,7 +131,8 @@ def kernel_paths(repeats: int, clock: Callable[[], float] = time.perf_counter) -
                 t = statistics.median(ts)
                 rows_out.append(dict(layer=name, n=n, k=k, rows=m, path=p, us=t * 1e6,
                                      us_lo=min(ts) * 1e6, us_hi=max(ts) * 1e6,
-                                     repeats=repeats, speedup_vs_fp32=base / t))
+                                     repeats=repeats, speedup_vs_fp32=base / t,
+                                     us_each=[round(x * 1e6, 1) for x in ts]))
             print(f"  kernels {name} x {m} rows (load average {os.getloadavg()[0]:.2f})",
                   flush=True)
         del p4, sc4, mn4
