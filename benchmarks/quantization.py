@@ -18,8 +18,9 @@ Then the KV cache: tokens that fit in the same memory at 16 bits, int8 (+ scales
 And ``quantization_kernels.json``: the CPU matmul paths at SmolLM2's shapes (q/k/v, o, gate/up,
 down, LM head) for 1 and 32 rows: dense fp32 and bf16, ``_weight_int8pack_mm`` and
 ``_weight_int4pack_mm_for_cpu`` each with fp32 and with bf16 activations, the grouped int8 of
-Q8_0, and dequantize-then-matmul. Medians of interleaved repeats; one torch thread unless
-``--threads``.
+Q8_0, and dequantize-then-matmul. Medians of interleaved repeats with the fastest and slowest
+repeat, the clock and the load average; one torch thread unless ``--threads``; ``--only
+kernels`` writes this file alone.
 
 ``--only speed`` (``quantization_speed.json``) measures decode speed alone, better than the main
 run's one pass: ``--rounds`` interleaved rounds (every format timed once per round, ratios to fp32
@@ -28,6 +29,7 @@ which on a shared machine leaves out the time a one-thread run waits for a core.
 
     python -m benchmarks.quantization [--models tiny-kjv smollm2-135m-instruct] [--threads 1]
     python -m benchmarks.quantization --only speed --models smollm2-135m-instruct --clock cpu
+    python -m benchmarks.quantization --only kernels --kernel-repeats 9 --clock cpu
 """
 
 from __future__ import annotations
@@ -73,9 +75,14 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 # ---------------------------------------------------------------------------- kernels
-def kernel_paths(repeats: int) -> list[dict]:
-    """Each CPU matmul path at SmolLM2's shapes, interleaved repeat by repeat."""
+def kernel_paths(repeats: int, clock: Callable[[], float] = time.perf_counter) -> list[dict]:
+    """Each CPU matmul path at SmolLM2's shapes, interleaved repeat by repeat (by ``clock``):
+    the median time of each, its fastest and slowest repeat, the speedup of the medians, and
+    every repeat's time in order (``us_each``: repeat i of two paths ran back to back)."""
     shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
               "lm_head": (49152, 576)}
     rows_out = []
@@ -116,14 +123,18 @@ def kernel_paths(repeats: int) -> list[dict]:
                 fn()
             for _ in range(repeats):
                 for p, fn in paths.items():
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     fn()
-                    times[p].append(time.perf_counter() - t0)
+                    times[p].append(clock() - t0)
             base = statistics.median(times["fp32 dense"])
             for p, ts in times.items():
                 t = statistics.median(ts)
                 rows_out.append(dict(layer=name, n=n, k=k, rows=m, path=p, us=t * 1e6,
-                                     speedup_vs_fp32=base / t))
+                                     us_lo=min(ts) * 1e6, us_hi=max(ts) * 1e6,
+                                     repeats=repeats, speedup_vs_fp32=base / t,
+                                     us_each=[round(x * 1e6, 1) for x in ts]))
+            print(f"  kernels {name} x {m} rows (load average {os.getloadavg()[0]:.2f})",
+                  flush=True)
         del p4, sc4, mn4
     return rows_out
 
@@ -166,7 +177,6 @@ def gpu_kernels() -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- decode
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @torch.inference_mode()
@@ -304,12 +314,13 @@ def main() -> None:
     p.add_argument("--kernel-repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip-kernels", action="store_true")
-    p.add_argument("--only", choices=("speed",), default=None,
+    p.add_argument("--only", choices=("speed", "kernels"), default=None,
                    help="speed: only decode speed in interleaved rounds, with a profile of one "
-                        "step per format (quantization_speed.json)")
+                        "step per format (quantization_speed.json); kernels: only the CPU "
+                        "matmul paths (quantization_kernels.json)")
     p.add_argument("--rounds", type=int, default=5, help="with --only speed")
     p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
-                   help="with --only speed: wall time, or this process's CPU time")
+                   help="with --only speed or kernels: wall time, or this process's CPU time")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--gpu-kernels", action="store_true",
                    help="only the Triton kernels on CUDA (benchmarks/device_check.sh)")
@@ -336,10 +347,18 @@ def main() -> None:
                                         "ratio_lo", "ratio_hi"])
         print(f"wrote {path}")
         return
-    if not args.skip_kernels:
-        krows = kernel_paths(args.kernel_repeats)
-        print_table(krows, ["layer", "rows", "path", "us", "speedup_vs_fp32"])
-        write_results("quantization_kernels", dict(provenance=prov, rows=krows), args.out)
+    if args.only == "kernels" or not args.skip_kernels:
+        load = [round(os.getloadavg()[0], 2)]
+        krows = kernel_paths(args.kernel_repeats, CLOCKS[args.clock])
+        load.append(round(os.getloadavg()[0], 2))
+        print_table(krows, ["layer", "rows", "path", "us", "us_lo", "us_hi", "speedup_vs_fp32"])
+        settings = dict(repeats=args.kernel_repeats, threads=args.threads, clock=args.clock,
+                        load_average=load)
+        path = write_results("quantization_kernels", dict(provenance=prov, settings=settings,
+                                                          rows=krows), args.out)
+        if args.only == "kernels":
+            print(f"wrote {path}")
+            return
     kv = kv_capacity()
     results = []
     for m in args.models:  # written after each model, so a slow second model loses nothing

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import hashlib
 import queue
+import struct
 import threading
 from pathlib import Path
 from typing import Any
@@ -200,6 +202,7 @@ def ch5b() -> dict[str, Any]:
     namespace: dict[str, Any] = {
         "il": il, "Request": Request, "Sequence": Sequence, "KVCacheManager": KVCacheManager,
         "EngineConfig": EngineConfig, "launches": CH5_LAUNCHES,
+        "hashlib": hashlib, "struct": struct,
     }
     return run_cells(namespace, *(definitions(cell_with(CH5B, marker)) for marker in (
         "def block_keys", "def sequence(", "def check_1")))

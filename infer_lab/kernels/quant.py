@@ -10,10 +10,11 @@
   (decode) and a tiled GEMM otherwise (prefill).
 - torch on CPU: the fastest correct kernels torch offers, ``aten._weight_int8pack_mm`` and
   ``aten._weight_int4pack_mm_for_cpu``, both fed *bf16* activations. That choice is measured
-  (``benchmarks/results/quantization_kernels.json``): on this machine their fp32 (and fp16)
-  activation paths ran 5-50x slower than the bf16 ones, slower than a plain fp32 matmul, while
-  with bf16 activations they beat it at batch 1. Rounding the activations to bf16 costs about
-  3 significant digits, as running the model in bf16 does; ``CPU_ACTIVATION`` names the choice
+  (``benchmarks/results/quantization_kernels.json``): on the machine that took it their fp32
+  activation paths ran about 3-60x slower than the bf16 ones (medians per shape), slower than a
+  plain fp32 matmul, while with bf16 activations they beat it at batch 1. Rounding the
+  activations to bf16 keeps 8 significant bits (2-3 decimal digits), as running the model in
+  bf16 does; ``CPU_ACTIVATION`` names the choice
   so a test or the chapter can change it (None: use ``x``'s own dtype).
 - GGUF's Q8_0 (``int8g``, int8 with a scale per group of 32) on CPU: the int8 kernel once per
   group, partial sums added in fp32.
