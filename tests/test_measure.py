@@ -419,3 +419,10 @@ def test_the_guidellm_appendix_quotes_the_committed_result():
         assert theirs == f"{pt['server_mean_ms']['guidellm']['itl']:.1f}"
     n = min(p["guidellm"]["num_requests"] for p in data["points"])
     assert data["workload"]["num_requests"] == 160 and beyond(160, 99) <= 2 and n >= 150
+    for pt in data["points"]:  # the counts and the CPU figures the prose quotes
+        assert f"{pt['guidellm']['num_requests']} (C = {pt['concurrency']})" in page
+    c8 = next(p for p in data["points"] if p["concurrency"] == 8)
+    g8 = c8["guidellm"]
+    assert (f"{g8['cpu_s']:.1f} s of CPU time in an {g8['wall_s']:.1f} s\ninvocation whose "
+            f"measured part lasted {g8['duration_s']:.1f} s") in page
+    assert f"averaged {c8['infer_lab']['client_cpu']} of a core" in page
