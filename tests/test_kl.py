@@ -11,7 +11,12 @@ import pytest
 import torch
 
 import infer_lab as il
-from infer_lab.measure.kl import kl_divergence, kl_divergence_many, kl_per_token
+from infer_lab.measure.kl import (
+    CachedReference,
+    kl_divergence,
+    kl_divergence_many,
+    kl_per_token,
+)
 from infer_lab.measure.quality import perplexity
 from infer_lab.model.quantize import quantize_model
 
@@ -109,3 +114,22 @@ def test_real_model_int8_diverges_less_than_int4(tiny):
     assert 0 < res["int8"].kl_mean < res["int4"].kl_mean
     assert res["int8"].kl_p99 >= res["int8"].kl_mean
     assert res["int8"].top1_agreement > 0.9
+
+
+def test_cached_reference_replays_the_same_logits():
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(9, 9, generator=gen)
+    calls = []
+
+    def model(ids):
+        calls.append(ids.numel())
+        return table[ids]
+
+    ids = torch.randint(0, 9, (60,), generator=gen)
+    ref = CachedReference(model)
+    cand = TableModel(table + 0.1 * torch.randn(9, 9, generator=gen))
+    first = kl_divergence(ref, cand, ids, window=16)
+    n = len(calls)
+    again = kl_divergence(ref, cand, ids, window=16)
+    assert len(calls) == n and again == first  # replayed, not recomputed
+    assert first == kl_divergence(model, cand, ids, window=16)

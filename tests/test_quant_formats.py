@@ -304,3 +304,23 @@ def test_model_decodes_through_the_scaled_fp8_cache():
                     PagedAttentionContext(cache, batch, backend=attention_backend_for(cache, None)))
     rel = ((out[-1] - ref).pow(2).mean().sqrt() / ref.std()).item()
     assert rel <= 0.1, rel
+
+
+def test_fake_quant_kv_is_what_the_cache_gives_back():
+    from infer_lab.cache.kv_quant import fake_quant_kv, with_kv_cache_dtype
+    from infer_lab.model.random import random_model
+
+    x = torch.randn(3, 2, 32, generator=GEN) * 1e-3
+    cache = make_paged_kv_cache(CFG, 1, 16, kv_cache_dtype="fp8_e4m3_scaled")
+    cache.k_caches[0].view(-1, 2, 32)[torch.arange(3)] = x
+    stored = cache.k_caches[0][torch.tensor([0])].reshape(-1, 2, 32)[:3]
+    assert torch.equal(fake_quant_kv(x, "fp8_e4m3_scaled"), stored)
+    model = random_model(CFG, device="cpu", dtype=torch.float32, seed=3, std=0.08)
+    ids = torch.randint(0, 256, (1, 20), generator=GEN)
+    # a 16-bit cache of an fp32 model barely moves the logits; bare fp8 of small K/V does
+    full = model(ids)
+    d16 = (with_kv_cache_dtype(model, "fp16")(ids) - full).abs().max()
+    d8 = (with_kv_cache_dtype(model, "fp8_e4m3")(ids) - full).abs().max()
+    assert 0 < d16 < d8
+    with pytest.raises(ValueError, match="fake_quant_kv"):
+        with_kv_cache_dtype(model, "int4")

@@ -28,7 +28,7 @@ on the torch path (see :func:`attention_backend_for`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -86,6 +86,20 @@ def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_kv_fp8(codes: torch.Tensor, scale: torch.Tensor,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (codes.float() * scale.float()[..., None]).to(dtype)
+
+
+def fake_quant_kv(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """``x [..., D]`` as a cache of ``kv_cache_dtype`` would give it back (``"fp16"``: a 16-bit
+    cache of an fp32 model), in ``x``'s dtype: for measuring what each KV format costs."""
+    if kv_cache_dtype == "fp16":
+        return x.half().to(x.dtype)
+    if kv_cache_dtype == "fp8_e4m3":
+        return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+    if kv_cache_dtype not in _CODECS:
+        raise ValueError(f"fake_quant_kv takes fp16, fp8_e4m3 or one of {tuple(_CODECS)}, "
+                         f"not {kv_cache_dtype!r}")
+    quantize, dequantize = _CODECS[kv_cache_dtype]
+    return dequantize(*quantize(x), x.dtype)
 
 
 _CODECS = {"int8": (quantize_kv_int8, dequantize_kv_int8),
@@ -189,3 +203,34 @@ def make_paged_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int = 16,
 def attention_backend_for(cache: PagedKVCache, backend: str | None) -> str | None:
     """The attention backend a cache can take: an int8 cache's block views need the torch path."""
     return "torch" if isinstance(cache, Int8PagedKVCache) else backend
+
+
+class FakeQuantKVContext:
+    """An attention context for the plain full-sequence forward that stores K and V as a
+    ``kv_cache_dtype`` cache would (and reads them back) before attending: the quality cost of a
+    KV format, measured without building a cache (Chapter 8b)."""
+
+    logits_indices = None
+
+    def __init__(self, kv_cache_dtype: str) -> None:
+        fake_quant_kv(torch.zeros(1), kv_cache_dtype)  # refuse an unknown name now
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None) -> torch.Tensor:
+        from infer_lab.model.attention import causal_attention
+
+        k, v = (fake_quant_kv(t, self.kv_cache_dtype) for t in (k, v))
+        return causal_attention(q, k, v, window)
+
+
+def with_kv_cache_dtype(model: torch.nn.Module, kv_cache_dtype: str
+                        ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``ids [1, S] -> logits [1, S, vocab]`` of ``model`` with its K and V in that format."""
+    ctx = FakeQuantKVContext(kv_cache_dtype)
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+        return model(ids, positions, ctx)
+
+    return logits

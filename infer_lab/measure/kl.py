@@ -43,6 +43,27 @@ class KLResult:
         return asdict(self)
 
 
+class CachedReference:
+    """A reference model whose logits are computed once per window and replayed after.
+
+    Comparing many candidates one at a time (so that only one quantized copy of a model is in
+    memory) would otherwise rerun the reference for each: this keeps its logits, keyed by the
+    window's tokens (``[S, vocab]`` floats per window: budget ~200 MB per 1k tokens at a 49k
+    vocabulary).
+    """
+
+    def __init__(self, model: LogitsFn) -> None:
+        self.model = model
+        self.device = getattr(model, "device", torch.device("cpu"))
+        self.cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        key = tuple(ids.flatten().tolist())
+        if key not in self.cache:
+            self.cache[key] = self.model(ids).float()
+        return self.cache[key]
+
+
 def kl_per_token(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """``KL(softmax(ref) || softmax(cand))`` per row of ``[T, vocab]`` logits, in fp64 (nats).
 

@@ -62,12 +62,12 @@ def collect_stats(model: nn.Module, sequences: Iterable[torch.Tensor],
 
     def hook(name: str, k: int) -> Callable:
         def fn(_mod: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x = args[0].detach().reshape(-1, k).double()
+            x = args[0].detach().reshape(-1, k).float()
             st = stats.setdefault(name, LinearStats(torch.zeros(k, k, dtype=torch.float64),
                                                     torch.zeros(k, dtype=torch.float64),
                                                     torch.empty(0, k)))
-            st.xtx += x.t() @ x
-            st.abs_sum += x.abs().sum(0)
+            st.xtx += (x.t() @ x).double()  # fp32 per sequence, summed in fp64
+            st.abs_sum += x.abs().sum(0).double()
             st.rows += x.shape[0]
             take = torch.randperm(x.shape[0], generator=gen)[: max(1, sample_rows // 16)]
             st.sample = torch.cat([st.sample, x[take].float()])[-sample_rows:]
@@ -99,3 +99,29 @@ def fake_quantize(model: nn.Module, weight_fn: WeightFn) -> tuple[nn.Module, flo
         bits += b * mod.weight.numel()
         numel += mod.weight.numel()
     return q, bits / numel
+
+
+ActivationFn = Callable[[str, torch.Tensor], torch.Tensor]  # [T, K] -> decoded [T, K]
+
+
+def with_activation_format(model: nn.Module, act_fn: ActivationFn
+                           ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``ids -> logits`` of ``model`` with every layer linear's *input* passed through
+    ``act_fn`` (e.g. FP8 with a scale per token): W8A8's activation half, on its own."""
+
+    def hook(name: str) -> Callable:
+        def fn(mod: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            x = args[0]
+            return (act_fn(name, x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype),
+                    *args[1:])
+        return fn
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        hooks = [m.register_forward_pre_hook(hook(n)) for n, m in layer_linears(model)]
+        try:
+            return model(ids)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    return logits
