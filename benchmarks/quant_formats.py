@@ -20,11 +20,16 @@ average is recorded at the start and the end: seconds per row are only a rough g
 
     python -m benchmarks.quant_formats                                  # both models
     python -m benchmarks.quant_formats --models tiny-kjv --eval-tokens 12000
+    python -m benchmarks.quant_formats --merge a/quant_formats.json b/quant_formats.json
+
+``--merge`` joins runs of one model each (run side by side, one process per model) into one
+file; every model keeps its own run's provenance, settings and load averages under ``runs``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections.abc import Callable
@@ -136,7 +141,12 @@ def main() -> None:
     p.add_argument("--stride", type=int, default=384)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--merge", nargs="+", type=Path, default=None,
+                   help="join these result files into --out (nothing is run)")
     args = p.parse_args()
+    if args.merge:
+        print("wrote", write_results("quant_formats", merge(args.merge), args.out))
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load_start = os.getloadavg()
@@ -150,6 +160,18 @@ def main() -> None:
         print_table(m["rows"], ["format", "family", "bits", "kl_mean", "kl_p99",
                                 "top1_agreement", "ppl", "seconds"])
     print("wrote", path)
+
+
+def merge(files: list[Path]) -> dict:
+    """One result of several runs' files: the models of all, each run's metadata by model."""
+    out: dict = {"models": [], "runs": {}}
+    for f in files:
+        data = json.loads(f.read_text())
+        meta = {k: v for k, v in data.items() if k not in ("models", "runs")}
+        for m in data["models"]:
+            out["models"].append(m)
+            out["runs"][m["model"]] = data.get("runs", {}).get(m["model"], meta)
+    return out
 
 
 def payload(args: argparse.Namespace, load_start: tuple[float, ...], t0: float,
