@@ -110,6 +110,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     for g in (128, 32):
         weights[f"int4 g{g} GPTQ"] = calibrated(stats, "gptq", g)
         weights[f"int4 g{g} AWQ"] = calibrated(stats, "awq", g)
+    keep = set(args.only) if args.only else None
+    weights = {k: v for k, v in weights.items() if keep is None or k in keep}
     for label, fn in weights.items():
         t0 = time.perf_counter()
         qmodel, bits = fake_quantize(model, fn)
@@ -117,11 +119,15 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         del qmodel
     for label, fn, bits in (("act fp8_e4m3 per-token", _act_fp8, 8.0),
                             ("act int8 per-token", _act_int8, 8.0)):
+        if keep is not None and label not in keep:
+            continue
         t0 = time.perf_counter()
         score(label, "activations", bits, with_activation_format(model, fn), t0)
     d = model.config.head_dim
     for kv, bits in (("fp16", 16.0), ("int8", 8 + 16 / d), ("fp8_e4m3", 8.0),
                      ("fp8_e4m3_scaled", 8 + 16 / d)):
+        if keep is not None and f"kv {kv}" not in keep:
+            continue
         t0 = time.perf_counter()
         score(f"kv {kv}", "kv", bits, with_kv_cache_dtype(model, kv), t0)
     return {"model": name, "reference": "fp32" if name == "tiny-kjv" else
@@ -140,6 +146,8 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--stride", type=int, default=384)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--only", nargs="+", default=None,
+                   help="run only these rows (names as in the table), e.g. on a loaded machine")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--merge", nargs="+", type=Path, default=None,
                    help="join these result files into --out (nothing is run)")
@@ -183,7 +191,7 @@ def payload(args: argparse.Namespace, load_start: tuple[float, ...], t0: float,
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "settings": {k: getattr(args, k) for k in ("eval_tokens", "smol_eval_tokens",
                                                    "calib_seqs", "calib_len", "window",
-                                                   "stride", "threads")},
+                                                   "stride", "threads", "only")},
         "text": "infer_lab/assets/tiny-moe/heldout.txt (KJV, public domain)",
         "models": models,
     }

@@ -112,3 +112,68 @@ def test_tiny_calibration_end_to_end_beats_rtn_in_kl():
     assert res["gptq"].kl_mean < res["rtn"].kl_mean, res
     assert res["awq"].kl_mean < res["rtn"].kl_mean, res
     assert 4 + 20 / 128 < models["rtn"][1] < 4 + 20 / 64  # ragged last groups cost more
+
+
+# ------------------------------------------------------------------ GPTQ checkpoint layout
+def autogptq_dequantize(qweight, qzeros, scales, g_idx):
+    """AutoGPTQ's QuantLinear (v1) dequantization, written from its forward: the reference."""
+    wf = torch.arange(0, 32, 4, dtype=torch.int32)
+    zeros = torch.bitwise_right_shift(qzeros.unsqueeze(2).expand(-1, -1, 8), wf[None, None])
+    zeros = (torch.bitwise_and(zeros, 15) + 1).reshape(scales.shape)
+    weight = torch.bitwise_right_shift(qweight.unsqueeze(1).expand(-1, 8, -1), wf[None, :, None])
+    weight = torch.bitwise_and(weight, 15).reshape(-1, qweight.shape[1])
+    return (scales[g_idx.long()].float() * (weight - zeros[g_idx.long()]).float()).t()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_checkpoint_layout_round_trips_and_matches_autogptq(act_order):
+    from infer_lab.model.quant.gptq_checkpoint import pack_gptq, unpack_gptq
+
+    w = torch.randn(32, 128, generator=GEN) - 0.3  # groups straddle 0: no zero point of 0
+    x = correlated_inputs(512, 128)
+    t = gptq_int4(w, 2 * x.t() @ x / 512, group_size=32, act_order=act_order)
+    ckpt = pack_gptq(t)
+    assert ckpt["qweight"].shape == (16, 32) and ckpt["qweight"].dtype == torch.int32
+    assert ckpt["qzeros"].shape == (4, 4) and ckpt["scales"].shape == (4, 32)
+    assert torch.equal(autogptq_dequantize(**ckpt), t.dequantize())
+    back = unpack_gptq(ckpt)
+    for field in ("qweight", "scales", "zeros", "g_idx"):
+        assert torch.equal(getattr(back, field), getattr(t, field)), field
+
+
+def test_gptq_checkpoint_into_the_engine_int4_kernels():
+    from infer_lab.model.quant.gptq_checkpoint import (
+        pack_gptq,
+        to_quantized_linear,
+        unpack_gptq,
+    )
+
+    w = torch.randn(64, 128, generator=GEN) - 0.3
+    x = correlated_inputs(256, 128)
+    t = unpack_gptq(pack_gptq(gptq_int4(w, 2 * x.t() @ x / 256, 32, act_order=False)))
+    layer = to_quantized_linear(t, name="layers.0.mlp.down_proj")
+    dense = t.dequantize()
+    # the engine stores minimum = -zero * scale in fp16: off by its rounding at most
+    assert (layer.dequantize() - dense).abs().max() <= 2**-10 * dense.abs().max()
+    out = layer(x[:4])  # the engine's int4 kernel path on this machine (bf16 activations)
+    ref = x[:4] @ layer.dequantize().t()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+    ordered = gptq_int4(w, 2 * x.t() @ x / 256, 32, act_order=True)
+    with pytest.raises(FormatError, match=r"down_proj: g_idx is not 4 consecutive"):
+        to_quantized_linear(ordered, name="down_proj")
+
+
+def test_gptq_checkpoint_bad_tensors_are_named():
+    from infer_lab.model.quant.gptq_checkpoint import pack_gptq, unpack_gptq
+
+    t = rtn_int4(torch.randn(16, 64, generator=GEN) - 0.3, 32)
+    ckpt = pack_gptq(t)
+    with pytest.raises(FormatError, match=r"o_proj: g_idx holds groups 0\.\.7 but .* 2 groups"):
+        unpack_gptq({**ckpt, "g_idx": torch.arange(64) // 8}, "o_proj")
+    with pytest.raises(FormatError, match=r"o_proj: GPTQ shapes"):
+        unpack_gptq({**ckpt, "g_idx": torch.zeros(32, dtype=torch.int32)}, "o_proj")
+    with pytest.raises(FormatError, match="missing"):
+        unpack_gptq({"qweight": ckpt["qweight"]}, "o_proj")
+    zero = rtn_int4(torch.rand(16, 64, generator=GEN), 32)  # all positive: zero point 0
+    with pytest.raises(FormatError, match="zero point of 0"):
+        pack_gptq(zero, "q_proj")
