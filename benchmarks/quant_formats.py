@@ -158,6 +158,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load_start = os.getloadavg()
+    args.provenance = provenance("cpu")  # the commit that runs, not the one at write time
     t0 = time.perf_counter()
     models: list[dict] = []
     for m in args.models:  # written after each model: a long run leaves what it finished
@@ -185,7 +186,7 @@ def merge(files: list[Path]) -> dict:
 def payload(args: argparse.Namespace, load_start: tuple[float, ...], t0: float,
             models: list[dict]) -> dict:
     return {
-        "provenance": provenance("cpu"),
+        "provenance": args.provenance,
         "load_average_start": [round(x, 2) for x in load_start],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "wall_seconds": round(time.perf_counter() - t0, 1),
