@@ -401,6 +401,48 @@ def test_ch08_checks_fail_on_wrong_answers_and_pass_the_solutions(ch8, capsys):
     assert capsys.readouterr().out.count("right") == 3
 
 
+# -------------------------------------------------------------------------------- chapter 8b
+CH8B = "08b_quantization_formats"
+
+
+@pytest.fixture(scope="module")
+def ch8b() -> dict[str, Any]:
+    """Chapter 8b's checks: they need only the standard library."""
+    import math
+
+    import torch
+
+    return run_cells({"math": math, "torch": torch}, cell_with(CH8B, "def check_1"))
+
+
+def test_ch08b_checks_accept_an_unanswered_exercise(ch8b, capsys):
+    for k in (1, 2, 3):
+        ch8b[f"check_{k}"](None)
+    assert capsys.readouterr().out.count("replace None") == 3
+
+
+def test_ch08b_checks_fail_on_wrong_answers_and_pass_the_solutions(ch8b, capsys):
+    import torch
+
+    solutions = run_cells(dict(ch8b), *(cell_with(CH8B, f"# Solution {k}.") for k in (1, 2, 3)))
+    assert capsys.readouterr().out.count("right") == 3  # each solution cell runs its check
+    code = solutions["mx_scale_code"](0.3)
+    nbytes = solutions["nvfp4_bytes"](4096, 14336)
+    # independent statements of the answers: torch's E4M3 and E8M0, the layout's arithmetic
+    value = torch.tensor([0x5A], dtype=torch.uint8).view(torch.float8_e4m3fn).item()
+    assert value == 20.0
+    assert torch.tensor([code], dtype=torch.uint8).view(torch.float8_e8m0fnu).item() == 2.0**-4
+    assert nbytes == 4096 * 14336 * 4.5 / 8 + 4
+    cases = [  # wrong answers: the exponent alone, the bits read as an integer, ...
+        ("check_1", value, [16.0, 90.0, 10.0, 2.5]),
+        ("check_2", code, [-4, 125, 124, 127]),  # ... the exponent not the code, emax forgotten,
+        ("check_3", nbytes, [4096 * 14336 // 2, nbytes - 4, 4096 * 14336 // 2 + 4096 * 448 + 4]),
+    ]  # rounded up, 2^0; codes only, no tensor scale, MX blocks of 32
+    assert_checks(ch8b, cases)
+    assert capsys.readouterr().out.count("right") == 3
+
+
+
 # -------------------------------------------------------------------------------- chapter 2
 CH2 = "02_kv_cache"
 

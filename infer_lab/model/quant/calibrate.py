@@ -1,0 +1,127 @@
+"""Calibration statistics and whole-model fake quantization (Chapter 8b).
+
+GPTQ needs each linear layer's input Hessian ``2 X^T X / n``, AWQ each input channel's mean
+magnitude and a sample of inputs: :func:`collect_stats` gathers all three in one pass of the
+unquantized model over calibration sequences (forward hooks on every linear of the transformer
+layers). That is the one-pass variant: the original GPTQ and AWQ quantize layer by layer and
+feed each layer the *quantized* layers' outputs, which costs a pass per layer.
+
+:func:`fake_quantize` then replaces every such linear's weight by its quantized-and-decoded
+value: what a kernel that reads the format computes, up to the order of its additions. The
+embedding (tied LM head) is left as it is, as GPTQ/AWQ/FP8 checkpoints usually leave it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from infer_lab.model.quant import FormatError
+
+WeightFn = Callable[[str, torch.Tensor], tuple[torch.Tensor, float]]  # -> (decoded, bits/weight)
+
+
+@dataclass
+class LinearStats:
+    """One linear layer's calibration inputs: ``X^T X`` summed, ``sum |x|``, a sample of rows."""
+
+    xtx: torch.Tensor
+    abs_sum: torch.Tensor
+    sample: torch.Tensor
+    rows: int = 0
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        return 2 * self.xtx / max(self.rows, 1)
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return self.abs_sum / max(self.rows, 1)
+
+
+def layer_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The transformer layers' linears (attention and MLP), by name."""
+    out = [(n, m) for n, m in model.named_modules()
+           if isinstance(m, nn.Linear) and n.startswith("layers.")]
+    if not out:
+        raise FormatError("the model has no nn.Linear in its layers (already quantized?)")
+    return out
+
+
+@torch.inference_mode()
+def collect_stats(model: nn.Module, sequences: Iterable[torch.Tensor],
+                  sample_rows: int = 512, seed: int = 0) -> dict[str, LinearStats]:
+    """Run ``model`` over ``sequences`` (1-D token tensors) and gather every linear's inputs."""
+    stats: dict[str, LinearStats] = {}
+    gen = torch.Generator().manual_seed(seed)
+    hooks = []
+
+    def hook(name: str, k: int) -> Callable:
+        def fn(_mod: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0].detach().reshape(-1, k).float()
+            st = stats.setdefault(name, LinearStats(torch.zeros(k, k, dtype=torch.float64),
+                                                    torch.zeros(k, dtype=torch.float64),
+                                                    torch.empty(0, k)))
+            st.xtx += (x.t() @ x).double()  # fp32 per sequence, summed in fp64
+            st.abs_sum += x.abs().sum(0).double()
+            st.rows += x.shape[0]
+            take = torch.randperm(x.shape[0], generator=gen)[: max(1, sample_rows // 16)]
+            st.sample = torch.cat([st.sample, x[take].float()])[-sample_rows:]
+        return fn
+
+    for name, mod in layer_linears(model):
+        hooks.append(mod.register_forward_pre_hook(hook(name, mod.in_features)))
+    try:
+        for seq in sequences:
+            model(torch.as_tensor(seq, dtype=torch.long)[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+@torch.no_grad()
+def fake_quantize(model: nn.Module, weight_fn: WeightFn) -> tuple[nn.Module, float]:
+    """A copy of ``model`` with every layer linear's weight replaced by ``weight_fn``'s decoded
+    one; returns it and the bits per weight over those linears (scales and zeros counted)."""
+    q = copy.deepcopy(model)
+    bits = numel = 0.0
+    for name, mod in layer_linears(q):
+        w_hat, b = weight_fn(name, mod.weight.detach().float())
+        if w_hat.shape != mod.weight.shape or not torch.isfinite(w_hat).all():
+            raise FormatError(f"{name}: the quantized weight is {tuple(w_hat.shape)} or not "
+                              "finite")
+        mod.weight.copy_(w_hat.to(mod.weight.dtype))
+        bits += b * mod.weight.numel()
+        numel += mod.weight.numel()
+    return q, bits / numel
+
+
+ActivationFn = Callable[[str, torch.Tensor], torch.Tensor]  # [T, K] -> decoded [T, K]
+
+
+def with_activation_format(model: nn.Module, act_fn: ActivationFn
+                           ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``ids -> logits`` of ``model`` with every layer linear's *input* passed through
+    ``act_fn`` (e.g. FP8 with a scale per token): W8A8's activation half, on its own."""
+
+    def hook(name: str) -> Callable:
+        def fn(mod: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            x = args[0]
+            return (act_fn(name, x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype),
+                    *args[1:])
+        return fn
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        hooks = [m.register_forward_pre_hook(hook(n)) for n, m in layer_linears(model)]
+        try:
+            return model(ids)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    return logits
