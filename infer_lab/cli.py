@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--policy", choices=["continuous", "static"], default="continuous")
     srv.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
                      help="weights in int8, int4 (groups of 32) or a GGUF file's own blocks")
-    srv.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], default="auto",
+    srv.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3", "fp8_e4m3_scaled"],
+                     default="auto",
                      help="KV cache storage: the model's dtype, or 8 bits (about 2x the tokens)")
     srv.add_argument("--no-prefix-caching", action="store_true")
     srv.add_argument("--no-chunked-prefill", action="store_true")
