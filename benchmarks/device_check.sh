@@ -4,34 +4,47 @@
 #
 #     bash benchmarks/device_check.sh
 #
-# Steps, each with its own time limit (at most 9.5 minutes in all; about 5 expected), each logged:
+# Steps, each with its own time limit, each logged (the default steps' limits add up to 6.9
+# minutes, about 4 expected; all ten steps at once to 12.75 minutes, more than one 10-minute
+# call of the device tool, so name the optional ones in a second call):
 #   1. cpu_dry_run  the interpreter tests of the kernels and the benchmark's CPU smoke test with
 #                   the GPU hidden (CUDA_VISIBLE_DEVICES=): catches a broken environment cheaply;
 #   2. gpu_tests    pytest -m gpu: every kernel compiled and checked on the GPU (bf16, fp16, fp32);
-#   3. chapters     chapters/01..05 at GPU sizes (CHAPTER_GLOB= to change; 06/07 need the server
+#   3. chapters     chapters/01..05b at GPU sizes (CHAPTER_GLOB= to change; 06/07 need the server
 #                   stack, which the image lacks). Jupyter is not there, so the code cells of each
 #                   chapter's .md are run in order in one namespace (plots to files, not shown);
-#   4. kernels      python -m benchmarks.kernels: GB/s against the copy ceiling, and eager torch;
-#   5. quant_kernels python -m benchmarks.quantization --gpu-kernels: W8A16/W4A16 GB/s.
-#   6. engine       python -m benchmarks.engine_gpu: a random-weight Llama-3.2-1B-shaped model in
+#   4. cuda_graphs  Chapter 5b on the GPU (its CUDA-graph capture-and-replay cell runs only
+#                   there: replayed logits checked against eager ones, both timed), then
+#                   python -m benchmarks.cuda_graphs: one decode engine.step() eager vs graphs at
+#                   batch 1, 8, 32, same tokens checked (cuda_graphs.json; commit it under
+#                   benchmarks/results/gpu/ and Chapter 5b prints it);
+#   5. kernels      python -m benchmarks.kernels: GB/s against the copy ceiling, and eager torch;
+#   6. quant_kernels python -m benchmarks.quantization --gpu-kernels: W8A16/W4A16 GB/s.
+#   7. engine       python -m benchmarks.engine_gpu: a random-weight Llama-3.2-1B-shaped model in
 #                   bf16, batch-1 decode eager / CUDA graphs against copy bandwidth / weight bytes,
 #                   offline long-tail throughput, transformers on the same weights (engine.json/png).
-#   7. serve_bench  infer-lab serve on that checkpoint, infer-lab bench at concurrency 1-64.
-#   8. tp           tests/test_tensor_parallel.py -k "tp2 or sharded", gloo backend, tp 2 on one GPU.
-#   9. speculative  python -m benchmarks.speculative --gpu: the same random Llama-3.2-1B weights in
+#   8. serve_bench  infer-lab serve on that checkpoint, infer-lab bench at concurrency 1-64.
+#   9. tp           tests/test_tensor_parallel.py -k "tp2 or sharded", gloo backend, tp 2 on one GPU.
+#  10. speculative  python -m benchmarks.speculative --gpu: the same random Llama-3.2-1B weights in
 #                   bf16, batch-1 decode tok/s without speculation (CUDA graphs), with ngram k=4
 #                   and early_exit 4/16 k=2, acceptance, output identical; ngram at batch 8 and 32
-#                   (speculative.json). Limit 90 s; only when named in STEPS (the defaults already
-#                   fill the 5 minutes): STEPS="engine speculative" (alone, it first makes the
-#                   checkpoint, some 30 s of its 90).
-# Default (STEPS unset): steps 2 and 4-8, limits 60 + 45 + 25 + 75 + 50 + 40 = 295 s, under the
-# 5 minutes one call may take; steps 1, 3 and 9 (cpu_dry_run, chapters, speculative: 110, 150,
-# 90 s) run only when named in STEPS (1 and 3 also run on CPU, where CI runs them; 9 has a CPU
-# smoke: python -m benchmarks.speculative --gpu --device cpu --tiny).
-# Output goes to $OUT when set (the device tool brings back at most 8 files: summary.txt, one log
-# per step, kernels.json), else to benchmarks/results/device_check/. Exit status: 0 if all passed.
+#                   (speculative.json). Limit 90 s; only when named in STEPS: STEPS="engine
+#                   speculative" (alone, it first makes the checkpoint, some 30 s of its 90).
+#  11. moe          python -m benchmarks.moe --gpu: one Mixtral-8x7B MoE layer in bf16 at batch 1, 8,
+#                   64 by the naive loop, grouped, grouped_mm and the fused Triton kernel; its time
+#                   vs the distinct experts a batch touches; decode steps of an MoE against dense
+#                   models of its active and total width (moe_gpu.json). The kernel's correctness
+#                   on the GPU (bf16/fp16/fp32, CUDA graph capture) is in gpu_tests
+#                   (tests/test_moe_kernels.py). Limit 90 s; only when named: STEPS="moe".
+# Default (STEPS unset): steps 2 and 4-9, limits 60 + 120 + 45 + 25 + 75 + 50 + 40 = 415 s;
+# steps 1, 3, 10 and 11 (cpu_dry_run, chapters, speculative, moe: 110, 150, 90, 90 s) run only
+# when named in STEPS (1 and 3 also run on CPU, where CI runs them; 10 has a CPU smoke:
+# python -m benchmarks.speculative --gpu --device cpu --tiny).
+# Output goes to $OUT when set (the device tool brings back at most 8 files: summary.txt, the step
+# logs and the JSON files, the first eight), else to benchmarks/results/device_check/. Exit status:
+# 0 if all passed.
 # Nothing is installed: infer_lab runs from this tree (PYTHONPATH), everything else is there.
-# CHAPTERS=0 skips step 3 (steps 2 and 4 are the ones that matter most). STEPS="gpu_tests kernels"
+# CHAPTERS=0 skips step 3 (steps 2 and 5 are the ones that matter most). STEPS="gpu_tests kernels"
 # runs only the named steps (a rerun after a fix). A step over its limit is interrupted (SIGINT,
 # then SIGKILL 15 s later), so a pytest still prints its summary of what passed and failed.
 set -uo pipefail
@@ -44,7 +57,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OF
   TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg
 failed=0
 
-DEFAULT_STEPS="gpu_tests kernels quant_kernels engine serve_bench tp"
+DEFAULT_STEPS="gpu_tests cuda_graphs kernels quant_kernels engine serve_bench tp"
 wanted() { [[ " ${STEPS:-$DEFAULT_STEPS} " == *" $1 "* ]]; }
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the verdict
@@ -64,7 +77,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
 "triton", triton.__version__, "cuda", torch.cuda.is_available())' 2>&1; } | tee -a "$RES/summary.txt"
 
 KERNEL_TESTS="tests/test_kernels_ops.py tests/test_kernels_attention.py tests/test_kernels_model.py \
-  tests/test_kernels_dispatch.py"
+  tests/test_kernels_dispatch.py tests/test_moe_kernels.py"
 # -n only where pytest-xdist is installed (the GPU image may lack it).
 XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n auto" || echo "-p no:xdist")
 step cpu_dry_run 110 env CUDA_VISIBLE_DEVICES= bash -c \
@@ -76,8 +89,11 @@ step cpu_dry_run 110 env CUDA_VISIBLE_DEVICES= bash -c \
 GPU_TESTS=$(grep -l "mark.gpu" tests/test_*.py | tr '\n' ' ')
 step gpu_tests 60 $PY -m pytest -q -m gpu -p no:cacheprovider -rs $GPU_TESTS
 
-if [ "${CHAPTERS:-1}" = 0 ]; then echo "chapters: skipped (CHAPTERS=0)" | tee -a "$RES/summary.txt"; else
-step chapters 150 $PY - <<'PYCODE'
+# The chapter runner of steps 3 and 4: each chapter's code cells, from its MyST .md, in order in
+# one namespace, as Jupyter would run them (CHAPTER_GLOB picks the chapters).
+RUN_CHAPTERS=$(mktemp --suffix=.py)
+trap 'rm -f "$RUN_CHAPTERS"' EXIT
+cat > "$RUN_CHAPTERS" <<'PYCODE'
 """Run each chapter's code cells (from its MyST .md) in order, as Jupyter would."""
 import re, sys, time, traceback
 from pathlib import Path
@@ -88,7 +104,7 @@ plt.show = lambda *a, **k: plt.close("all")
 CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```\s*$", re.S | re.M)
 bad = 0
 import os
-for md in sorted(Path("chapters").glob(os.environ.get("CHAPTER_GLOB", "0[1-5]_*.md"))):
+for md in sorted(Path("chapters").glob(os.environ.get("CHAPTER_GLOB", "0[1-5]*_*.md"))):
     start, ns = time.time(), {"__name__": "__main__"}
     try:
         for i, cell in enumerate(CELL.findall(md.read_text())):
@@ -100,9 +116,21 @@ for md in sorted(Path("chapters").glob(os.environ.get("CHAPTER_GLOB", "0[1-5]_*.
         traceback.print_exc()
         print(f"{md.name}: FAILED after {time.time() - start:.0f} s")
     plt.close("all")
+    del ns  # the chapter's engines and their KV pools, before the next chapter sizes its own
+    import gc, torch
+    gc.collect()
+    torch.cuda.empty_cache()
 sys.exit(bad)
 PYCODE
+
+if [ "${CHAPTERS:-1}" = 0 ]; then echo "chapters: skipped (CHAPTERS=0)" | tee -a "$RES/summary.txt"; else
+step chapters 150 $PY "$RUN_CHAPTERS"
 fi
+
+# Chapter 5b's CUDA-graph capture and replay, shown but skipped on CPU, runs here; then the
+# engine's decode step eager against graphs (benchmarks/results/gpu/cuda_graphs.json).
+step cuda_graphs 120 bash -c "CHAPTER_GLOB='05b_*.md' $PY '$RUN_CHAPTERS' && \
+  $PY -m benchmarks.cuda_graphs --out '$RES'"
 
 step kernels 45 $PY -m benchmarks.kernels --out "$RES"
 # Chapter 8: the W8A16 / W4A16 Triton kernels in GB/s against copy bandwidth (target: the W4A16
@@ -127,6 +155,9 @@ step serve_bench 50 bash -c "
     --num-requests 64 --dataset random --input-len 128 --output-len 64 --prompt-kind ids \
     --ignore-eos --no-progress --out '$RES/serve_bench.json' --plot '$RES/serve_bench'"
 fi
+# Issue 27: Chapter 12's fused MoE kernel against the torch paths at Mixtral's layer size.
+step moe 90 $PY -m benchmarks.moe --gpu --only paths step_vs_batch headline --repeats 5 \
+  --out "$RES"
 # Tensor parallel, tp 2 on the one GPU through gloo; -p no:xdist so an interrupted run still
 # prints its summary.
 step tp 40 env INFER_LAB_TP_BACKEND=gloo $PY -m pytest -q -p no:xdist -p no:cacheprovider \

@@ -21,13 +21,20 @@ down, LM head) for 1 and 32 rows: dense fp32 and bf16, ``_weight_int8pack_mm`` a
 Q8_0, and dequantize-then-matmul. Medians of interleaved repeats; one torch thread unless
 ``--threads``.
 
+``--only speed`` (``quantization_speed.json``) measures decode speed alone, better than the main
+run's one pass: ``--rounds`` interleaved rounds (every format timed once per round, ratios to fp32
+within a round, median and range over rounds); ``--clock cpu`` times by this process's CPU time,
+which on a shared machine leaves out the time a one-thread run waits for a core.
+
     python -m benchmarks.quantization [--models tiny-kjv smollm2-135m-instruct] [--threads 1]
+    python -m benchmarks.quantization --only speed --models smollm2-135m-instruct --clock cpu
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -45,7 +52,6 @@ from infer_lab.kernels import quant as qk
 from infer_lab.measure.quality import KJV_PASSAGE, greedy_agreement, perplexity
 from infer_lab.model.quantize import (
     QuantizedLinear,
-    load_quantized,
     model_weight_bytes,
     quantize_int4,
     quantize_int8,
@@ -160,10 +166,14 @@ def gpu_kernels() -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- decode
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 @torch.inference_mode()
-def decode_tokens_per_s(model: torch.nn.Module, batch: int, context: int, steps: int) -> float:
+def decode_tokens_per_s(model: torch.nn.Module, batch: int, context: int, steps: int,
+                        clock: Callable[[], float] = time.perf_counter) -> float:
     """Decode throughput of ``batch`` sequences (``context``-token prompts) through the paged
-    cache: the median step time over ``steps`` steps, as tokens per second."""
+    cache: the median step time over ``steps`` steps (by ``clock``), as tokens per second."""
     cfg, bs = model.config, 16
     per_seq = -(-(context + steps + 2) // bs)
     cache = PagedKVCache(cfg, batch * per_seq, bs, model.device, model.dtype)
@@ -178,12 +188,40 @@ def decode_tokens_per_s(model: torch.nn.Module, batch: int, context: int, steps:
         db = build_paged_batch([([t], context + step, tab) for t, tab in zip(nxt, tables,
                                                                             strict=True)],
                                bs, cache.num_blocks, model.device)
-        t0 = time.perf_counter()
+        t0 = clock()
         nxt = model(db.input_ids, db.positions, PagedAttentionContext(cache, db)).argmax(-1)
         nxt = nxt.tolist()
         if step:  # the first step warms up
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return batch / statistics.median(times)
+
+
+def speed(name: str, args: argparse.Namespace) -> dict:
+    """Decode tokens/s of every format at batch 1 and 32, in ``args.rounds`` interleaved rounds
+    (each round times every format once, so a change in a shared machine's load falls on all
+    of them), as ratios to fp32 within the round. ``args.clock``: ``wall`` (perf_counter), or
+    ``cpu`` (this process's CPU time: on a machine other jobs share, a one-thread run's CPU time
+    leaves out the time it waited for a core)."""
+    fp32, _ = il.load(None if name == "tiny-kjv" else name, device="cpu", dtype=torch.float32)
+    models = dict(formats_for(name, fp32, gguf=name != "tiny-kjv"))
+    tok_s: dict[tuple[str, int], list[float]] = {}
+    load = [round(os.getloadavg()[0], 2)]
+    for rnd in range(args.rounds):
+        for batch in (1, 32):
+            for fmt, model in models.items():
+                t = decode_tokens_per_s(model, batch, args.context, args.steps,
+                                        CLOCKS[args.clock])
+                tok_s.setdefault((fmt, batch), []).append(t)
+        load.append(round(os.getloadavg()[0], 2))
+        print(f"  {name} speed round {rnd + 1}/{args.rounds} (load average {load[-1]})",
+              flush=True)
+    rows = []
+    for (fmt, batch), values in tok_s.items():
+        ratios = sorted(v / b for v, b in zip(values, tok_s["fp32", batch], strict=True))
+        rows.append(dict(model=name, format=fmt, batch=batch,
+                         tok_s=statistics.median(values), ratio=statistics.median(ratios),
+                         ratio_lo=ratios[0], ratio_hi=ratios[-1], ratios=ratios))
+    return dict(model=name, rows=rows, load_average=load)
 
 
 # ---------------------------------------------------------------------------- models
@@ -194,7 +232,7 @@ def formats_for(name: str, fp32: torch.nn.Module, gguf: bool):
     yield "int8", quantize_model(copy.deepcopy(fp32), "int8")
     yield "int4", quantize_model(copy.deepcopy(fp32), "int4", 32)
     if gguf:
-        yield "gguf", load_quantized(name, "cpu", torch.float32, "gguf")[0]
+        yield "gguf", il.load(name, "cpu", torch.float32, quantization="gguf")[0]
 
 
 def bench_model(name: str, args: argparse.Namespace) -> dict:
@@ -266,6 +304,12 @@ def main() -> None:
     p.add_argument("--kernel-repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--only", choices=("speed",), default=None,
+                   help="speed: only decode speed in interleaved rounds, with a profile of one "
+                        "step per format (quantization_speed.json)")
+    p.add_argument("--rounds", type=int, default=5, help="with --only speed")
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                   help="with --only speed: wall time, or this process's CPU time")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--gpu-kernels", action="store_true",
                    help="only the Triton kernels on CUDA (benchmarks/device_check.sh)")
@@ -278,6 +322,20 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     prov = provenance("cpu")
+    if args.only == "speed":
+        settings = {k: v for k, v in vars(args).items() if k in ("context", "steps", "rounds",
+                                                                  "threads", "clock")}
+        runs = []
+        for m in args.models:  # written after each model, so a slow second one loses nothing
+            runs.append(speed(m, args))
+            path = write_results("quantization_speed", dict(provenance=prov, settings=settings,
+                                                            models=runs), args.out)
+        for r in runs:
+            if r["rows"]:
+                print_table(r["rows"], ["model", "format", "batch", "tok_s", "ratio",
+                                        "ratio_lo", "ratio_hi"])
+        print(f"wrote {path}")
+        return
     if not args.skip_kernels:
         krows = kernel_paths(args.kernel_repeats)
         print_table(krows, ["layer", "rows", "path", "us", "speedup_vs_fp32"])

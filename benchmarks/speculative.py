@@ -4,16 +4,22 @@ Per method and k: acceptance rate, mean accepted length (tokens per verification
 decode tokens/s against the same engine without speculation (greedy output checked identical),
 on a copy-heavy task (rewrite a given paragraph) and on free generation; then throughput with
 and without speculation at concurrency 1, 8 and 32 (all requests added at once; generated tokens
-over wall time), including ``disable_by_batch_size``. One run; ratios are what to read.
+over wall time), including ``disable_by_batch_size``. ``--rounds`` independent rounds (5), each
+measuring a setting and its baseline back to back; per point the median ratio over rounds and its
+smallest and largest value (the spread a shared machine adds). ``--clock cpu`` times the offline
+parts by the process's CPU time instead of the wall clock: on a machine other jobs share, a
+one-thread run's CPU time leaves out the time it waited for a core. Ratios are what to read.
 
 ``--server`` adds (``--only server``: runs only) the sweep through the server: ``infer-lab
 serve`` as a child process with and without ``ngram`` k = 4, driven by the load generator of
-``infer-lab bench`` (closed loop at concurrency 1, 4, 16, 64; streamed, greedy, ``ignore_eos``)
-on a copy-heavy prompt set (each request asks to rewrite its own paragraph, shuffled from a pool
-of sentences, so no two prompts share more than the chat template). Per row: output tokens/s,
-TTFT and ITL p50/p99 (ITL per streamed chunk: a step that keeps several tokens sends them in one
-chunk), TPOT p50, and the ratio to no speculation; each row is written to the JSON as soon
-as it is measured. ``bench`` itself sends random prompts, which have nothing to copy, so the
+``infer-lab bench`` (closed loop at concurrency 1, 4, 16, 64; streamed, greedy, ``ignore_eos``;
+``--server-rounds`` rounds of max(16, 2 C) requests per point) on a copy-heavy prompt set (each
+request asks to rewrite its own paragraph, shuffled from a pool of sentences, so no two prompts
+share more than the chat template). Per row: output tokens/s, TTFT, ITL and TPOT p50 (ITL per
+streamed chunk: a step that keeps several tokens sends them in one chunk), and the ratio to no
+speculation, each the median over rounds with its range; no p99: a point's few dozen requests
+put no sample beyond it (Chapter 7's rule). Each round's rows are written to the JSON as soon as
+they are measured. ``bench`` itself sends random prompts, which have nothing to copy, so the
 sweep calls its closed loop and statistics with these prompts instead.
 
 ``--gpu`` (device_check.sh's ``speculative`` step) measures at GPU sizes instead: a random-weight
@@ -25,8 +31,10 @@ nothing about how often a real draft is right: the acceptance rows say what thes
 (a random model's greedy output soon repeats itself, which prompt lookup then finds); the step
 costs are what to read. ``--device cpu --tiny`` runs the same code on tiny shapes.
 
-    python -m benchmarks.speculative [--threads 1] [--max-tokens 64] [--out DIR]
+    python -m benchmarks.speculative [--threads 1] [--max-tokens 64] [--rounds 5]
+        [--clock wall|cpu] [--out DIR]
     python -m benchmarks.speculative --only server [--server-concurrency 1 4 16 64]
+        [--server-rounds 3]
     python -m benchmarks.speculative --gpu [--device cpu --tiny] [--save-dir DIR] [--out DIR]
 
 Drafts: prompt lookup (``ngram``); ``early_exit`` with the first 24 of 30 layers; ``draft_model``
@@ -42,6 +50,7 @@ import dataclasses
 import json
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -100,17 +109,30 @@ def run(model, tok, prompts: list[list[int]], max_tokens: int, spec: dict | None
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     outs: dict[str, list[int]] = {}
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = o.outputs[0].token_ids
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     st = engine.get_stats()
-    return {"wall_s": wall, "tokens": sum(map(len, outs.values())),
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": sum(map(len, outs.values())),
             "outputs": [outs[str(i)] for i in range(len(prompts))], "steps": st.num_steps,
             "acceptance_rate": st.spec_acceptance_rate,
-            "mean_accepted_length": st.spec_mean_accepted_length}
+            "mean_accepted_length": st.spec_mean_accepted_length,
+            "num_drafts": st.spec_num_drafts, "draft_tokens": st.spec_num_draft_tokens,
+            "accepted_tokens": st.spec_num_accepted_tokens}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median, smallest and largest of one quantity over independent rounds, and the values."""
+    ordered = sorted(values)
+    return {"median": statistics.median(ordered), "lo": ordered[0], "hi": ordered[-1],
+            "values": values}
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
 
 
 def copy_prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
@@ -120,15 +142,18 @@ def copy_prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
                  + " ".join(rng.sample(SENTENCES, 5))) for _ in range(n)]
 
 
-def server_sweep(tok, concurrencies: list[int], max_tokens: int, threads: int, path: Path,
-                 payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """Closed loop through ``infer-lab serve`` with and without ngram; rows saved as measured.
+def server_sweep(tok, concurrencies: list[int], max_tokens: int, threads: int, rounds: int,
+                 path: Path, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Closed loop through ``infer-lab serve`` with and without ngram, in ``rounds`` rounds.
 
     Both servers run at once (child processes, ``threads`` torch threads each, one idle while
-    the other is measured) and each concurrency is measured on both back to back, so a change
-    in the shared machine's load falls on the pair rather than between the two halves of the
-    sweep. Requests per point: max(8, 2 C), so the batch stays near C for most of the run;
-    warm-up: C requests (not counted).
+    the other is measured). A round measures every concurrency on both servers back to back (in
+    alternating order from round to round), so a change in the shared machine's load falls on a
+    pair rather than between the two halves of the sweep; the ratio of a round is its two
+    throughputs' ratio. Requests per point and round: max(16, 2 C), so the batch stays near C
+    for most of the run; warm-up: C requests (not counted). Each round's rows go to the JSON as
+    measured (``server_rounds``); ``server_sweep`` holds, per point, the median over rounds of
+    each quantity with its smallest and largest value.
     """
     import contextlib
 
@@ -140,9 +165,8 @@ def server_sweep(tok, concurrencies: list[int], max_tokens: int, threads: int, p
     exit_on_sigterm()
     path.parent.mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the child's torch reads it at start-up
-    rows = payload.setdefault("server_sweep", [])
-    rows.clear()
-    base_tok_s: dict[int, float] = {}
+    raw = payload.setdefault("server_rounds", [])
+    raw.clear()
     with contextlib.ExitStack() as stack:
         endpoints = {}
         for name, spec in (("none", None), ("ngram k=4", SERVER_SPEC)):
@@ -150,30 +174,59 @@ def server_sweep(tok, concurrencies: list[int], max_tokens: int, threads: int, p
             if spec is not None:
                 extra += ["--speculative-config", json.dumps(spec)]
             base = stack.enter_context(served(extra, timeout=600))
-            endpoints[name] = (spec, Endpoint(base_url=base, model="smollm2-135m-instruct",
-                                              ignore_eos=True, timeout=1800))
-        for c in concurrencies:
-            for name, (spec, endpoint) in endpoints.items():
-                n = max(8, 2 * c)
-                prompts = copy_prompts(tok, c + n, seed=c)  # warm-up prompts first
-                specs = [RequestSpec(len(p), max_tokens, 0.0, p) for p in prompts]
-                run_sync(run_closed_loop(endpoint, specs[:c], c))
-                result = run_sync(run_closed_loop(endpoint, specs[c:], c))
-                summary = summarize(result.results, result.duration)
-                tok_s = summary.output_throughput
-                if spec is None:
-                    base_tok_s[c] = tok_s
-                rows.append({
-                    "method": name, "concurrency": c, "num_requests": n,
-                    "failed": summary.failed, "output_tok_s": tok_s,
-                    "ratio": tok_s / base_tok_s[c] if c in base_tok_s else None,
-                    "ttft_p50_ms": summary.ttft.p50 * 1e3, "ttft_p99_ms": summary.ttft.p99 * 1e3,
-                    "itl_p50_ms": summary.itl.p50 * 1e3, "itl_p99_ms": summary.itl.p99 * 1e3,
-                    "tpot_p50_ms": summary.tpot.p50 * 1e3,
-                    "load_average": round(os.getloadavg()[0], 2),
-                })
-                path.write_text(json.dumps(payload, indent=2) + "\n")  # as measured
-                print_table(rows[-1:], list(rows[-1]))
+            endpoints[name] = Endpoint(base_url=base, model="smollm2-135m-instruct",
+                                       ignore_eos=True, timeout=1800)
+        for rnd in range(rounds):
+            for c in concurrencies:
+                order = list(endpoints) if rnd % 2 == 0 else list(endpoints)[::-1]
+                for name in order:
+                    n = max(16, 2 * c)
+                    prompts = copy_prompts(tok, c + n, seed=1000 * rnd + c)  # warm-up first
+                    specs = [RequestSpec(len(p), max_tokens, 0.0, p) for p in prompts]
+                    run_sync(run_closed_loop(endpoints[name], specs[:c], c))
+                    result = run_sync(run_closed_loop(endpoints[name], specs[c:], c))
+                    summary = summarize(result.results, result.duration)
+                    raw.append({
+                        "round": rnd, "method": name, "concurrency": c, "num_requests": n,
+                        "failed": summary.failed, "output_tok_s": summary.output_throughput,
+                        "ttft_p50_ms": summary.ttft.p50 * 1e3,
+                        "itl_p50_ms": summary.itl.p50 * 1e3,
+                        "tpot_p50_ms": summary.tpot.p50 * 1e3,
+                        "load_average": load_average(),
+                    })
+                    print_table(raw[-1:], list(raw[-1]))
+                    payload["server_sweep"] = sweep_summary(raw)
+                    path.write_text(json.dumps(payload, indent=2) + "\n")  # as measured
+    return payload["server_sweep"]
+
+
+def sweep_summary(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (method, concurrency): each quantity's median over rounds, with its range, and the
+    ratio of the round's throughput to no speculation's in the same round."""
+    base = {(r["round"], r["concurrency"]): r["output_tok_s"] for r in raw
+            if r["method"] == "none"}
+    rows = []
+    for method in dict.fromkeys(r["method"] for r in raw):
+        for c in dict.fromkeys(r["concurrency"] for r in raw):
+            runs = [r for r in raw if r["method"] == method and r["concurrency"] == c]
+            if not runs:
+                continue
+            row: dict[str, Any] = {"method": method, "concurrency": c, "rounds": len(runs),
+                                   "num_requests": sum(r["num_requests"] for r in runs),
+                                   "failed": sum(r["failed"] for r in runs)}
+            for key in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "tpot_p50_ms"):
+                s = spread([r[key] for r in runs])
+                row.update({key: s["median"], f"{key}_lo": s["lo"], f"{key}_hi": s["hi"]})
+            ratios = [r["output_tok_s"] / base[r["round"], c] for r in runs
+                      if (r["round"], c) in base]
+            if ratios:
+                s = spread(ratios)
+                row.update(ratio=s["median"], ratio_lo=s["lo"], ratio_hi=s["hi"])
+            else:
+                row.update(ratio=None, ratio_lo=None, ratio_hi=None)
+            row["load_average"] = [min(r["load_average"] for r in runs),
+                                   max(r["load_average"] for r in runs)]
+            rows.append(row)
     return rows
 
 
@@ -265,23 +318,102 @@ def server_meta(payload: dict[str, Any], args: argparse.Namespace) -> None:
     """The server sweep's provenance (one entry of the list, replacing an older one) and note."""
     runs = [r for r in payload.get("provenance", []) if r.get("part") != "server_sweep"]
     payload["provenance"] = runs + [{**provenance("cpu"), "part": "server_sweep"}]
+    payload["server_max_tokens"] = args.server_max_tokens
     payload["server_note"] = (
         "infer-lab serve (SmolLM2 fp32, default engine settings) as a child process on "
         "the same 2-core machine as the client, which other engineers' jobs shared; "
         f"server threads {args.threads}; output tokens {args.server_max_tokens} "
-        "(ignore_eos, greedy, streamed); ratio = output tokens/s over no speculation's")
+        f"(ignore_eos, greedy, streamed); {args.server_rounds} rounds of max(16, 2C) "
+        "requests per point; ratio = output tokens/s over no speculation's in the same round; "
+        "each value is the median over rounds, _lo and _hi the smallest and largest")
+
+
+def batch1(model, tok, prompts: dict[str, list[int]], specs: dict[str, dict[str, Any]],
+           max_tokens: int, rounds: int, clock: str = "wall_s") -> list[dict[str, Any]]:
+    """Each method against no speculation, one request at a time, over ``rounds`` rounds.
+
+    A round runs, per task, the baseline and then every method back to back, so that a change in
+    a shared machine's load falls on a round's pair rather than between them; the speedup of a
+    round is the baseline's time over the method's, by ``clock`` (``wall_s``, or ``cpu_s``: this
+    process's CPU time, which leaves out the time a one-thread run waits for a shared core).
+    Greedy acceptance is the same in every round (the tokens are), so the counters come from the
+    last round."""
+    speedups: dict[tuple[str, str], list[float]] = {}
+    last: dict[tuple[str, str], dict[str, Any]] = {}
+    for rnd in range(rounds):
+        for task, prompt in prompts.items():
+            base = run(model, tok, [prompt], max_tokens, None)
+            for name, spec in specs.items():
+                r = run(model, tok, [prompt], max_tokens, spec)
+                speedups.setdefault((task, name), []).append(base[clock] / r[clock])
+                last[task, name] = {**r, "identical": r["outputs"] == base["outputs"],
+                                    "base_tok_s": base["tokens"] / base[clock]}
+        print(f"batch1 round {rnd + 1}/{rounds} done (load average {load_average()})",
+              flush=True)
+    rows = []
+    for (task, name), r in last.items():
+        s = spread(speedups[task, name])
+        rows.append({
+            "task": task, "method": name, "acceptance_rate": r["acceptance_rate"] or 0.0,
+            "mean_accepted_length": r["mean_accepted_length"] or 1.0,
+            "num_drafts": r["num_drafts"], "draft_tokens": r["draft_tokens"],
+            "accepted_tokens": r["accepted_tokens"],
+            "tok_s": r["tokens"] / r[clock], "base_tok_s": r["base_tok_s"],
+            "speedup": s["median"], "speedup_lo": s["lo"], "speedup_hi": s["hi"],
+            "speedups": s["values"], "identical": r["identical"],
+        })
+    return rows
+
+
+def concurrency(model, tok, prompts: dict[str, list[int]], spec: dict[str, Any],
+                max_tokens: int, rounds: int, clock: str = "wall_s") -> list[dict[str, Any]]:
+    """Throughput with and without speculation, half copy and half free prompts all added at
+    once, at 1, 8 and 32 sequences; each round measures the three settings back to back."""
+    settings = {"none": None, "ngram k=4": spec,
+                "ngram k=4 disable_by_batch_size=8": {**spec, "disable_by_batch_size": 8}}
+    ratios: dict[tuple[int, str], list[float]] = {}
+    tok_s: dict[tuple[int, str], list[float]] = {}
+    last: dict[tuple[int, str], dict[str, Any]] = {}
+    for rnd in range(rounds):
+        for n in (1, 8, 32):
+            batch = [prompts["copy"] if i % 2 == 0 else prompts["free"] for i in range(n)]
+            base = None
+            for name, s in settings.items():
+                r = run(model, tok, batch, max_tokens, s)
+                base = base or r
+                ratios.setdefault((n, name), []).append(base[clock] / r[clock])
+                tok_s.setdefault((n, name), []).append(r["tokens"] / r[clock])
+                last[n, name] = {**r, "identical": r["outputs"] == base["outputs"]}
+        print(f"concurrency round {rnd + 1}/{rounds} done (load average {load_average()})",
+              flush=True)
+    rows = []
+    for (n, name), r in last.items():
+        s = spread(ratios[n, name])
+        rows.append({"concurrency": n, "method": name,
+                     "tok_s": statistics.median(tok_s[n, name]),
+                     "ratio": s["median"], "ratio_lo": s["lo"], "ratio_hi": s["hi"],
+                     "ratios": s["values"], "identical": r["identical"],
+                     "acceptance_rate": r["acceptance_rate"] or 0.0})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="independent rounds of the offline measurements (median and range)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="offline: time by wall clock, or by this process's CPU time (on a "
+                         "shared machine it leaves out the waits for a core)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--server", action="store_true", help="also run the server sweep")
     ap.add_argument("--only", choices=("server",), default=None,
                     help="run only the server sweep, keeping the JSON's other sections")
     ap.add_argument("--server-concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--server-max-tokens", type=int, default=32)
+    ap.add_argument("--server-rounds", type=int, default=3,
+                    help="independent rounds of the server sweep (median and range)")
     ap.add_argument("--gpu", action="store_true",
                     help="GPU sizes (device_check.sh): random Llama-3.2-1B shape in bf16")
     ap.add_argument("--device", default="cuda", help="with --gpu: cuda, or cpu with --tiny")
@@ -300,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         tok = il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32)[1]
         server_meta(payload, args)
         server_sweep(tok, args.server_concurrency, args.server_max_tokens, args.threads,
-                     path, payload)
+                     args.server_rounds, path, payload)
         print(f"wrote {path}")
         return
     model, tok = il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32)
@@ -316,48 +448,33 @@ def main(argv: list[str] | None = None) -> None:
     }
     prompts = {"copy": chat(tok, COPY_TASK), "free": chat(tok, FREE_TASK)}
     run(model, tok, [prompts["free"]], 8, None)  # warm-up
-    rows = []
-    for task, prompt in prompts.items():
-        base = run(model, tok, [prompt], args.max_tokens, None)
-        for name, spec in specs.items():
-            r = run(model, tok, [prompt], args.max_tokens, spec)
-            rows.append({
-                "task": task, "method": name, "acceptance_rate": r["acceptance_rate"] or 0.0,
-                "mean_accepted_length": r["mean_accepted_length"] or 1.0,
-                "tok_s": r["tokens"] / r["wall_s"], "base_tok_s": base["tokens"] / base["wall_s"],
-                "speedup": base["wall_s"] / r["wall_s"],
-                "identical": r["outputs"] == base["outputs"],
-            })
-    print_table(rows, ["task", "method", "acceptance_rate", "mean_accepted_length", "tok_s",
-                       "base_tok_s", "speedup", "identical"])
-    conc_specs = {"none": None, "ngram k=4": specs["ngram k=4"],
-                  "ngram k=4 disable_by_batch_size=8": {**specs["ngram k=4"],
-                                                        "disable_by_batch_size": 8}}
-    conc = []
-    for n in (1, 8, 32):
-        batch = [prompts["copy"] if i % 2 == 0 else prompts["free"] for i in range(n)]
-        base = None
-        for name, spec in conc_specs.items():
-            r = run(model, tok, batch, args.max_tokens, spec)
-            base = base or r
-            conc.append({"concurrency": n, "method": name, "tok_s": r["tokens"] / r["wall_s"],
-                         "ratio": base["wall_s"] / r["wall_s"],
-                         "identical": r["outputs"] == base["outputs"],
-                         "acceptance_rate": r["acceptance_rate"] or 0.0})
-    print_table(conc, ["concurrency", "method", "tok_s", "ratio", "identical",
-                       "acceptance_rate"])
+    load_start = load_average()
+    clock = f"{args.clock}_s"
+    rows = batch1(model, tok, prompts, specs, args.max_tokens, args.rounds, clock)
+    print_table(rows, ["task", "method", "acceptance_rate", "mean_accepted_length", "speedup",
+                       "speedup_lo", "speedup_hi", "identical"])
+    conc = concurrency(model, tok, prompts, specs["ngram k=4"], args.max_tokens, args.rounds,
+                       clock)
+    print_table(conc, ["concurrency", "method", "tok_s", "ratio", "ratio_lo", "ratio_hi",
+                       "identical", "acceptance_rate"])
     payload = {
-        "provenance": [{**provenance("cpu"), "part": "batch1 + concurrency"}],
+        "provenance": [{**provenance("cpu"), "part": "batch1 + concurrency",
+                        "load_average": [load_start, load_average()]}],
         "model": "smollm2-135m-instruct (fp32)",
-        "max_tokens": args.max_tokens, "batch1": rows, "concurrency": conc,
-        "note": "greedy, ignore_eos; speedup = baseline wall time / speculative wall time",
+        "max_tokens": args.max_tokens, "rounds": args.rounds, "clock": args.clock,
+        "batch1": rows,
+        "concurrency": conc,
+        "note": f"greedy, ignore_eos; speedup (ratio) = baseline time / speculative time by "
+                f"the {args.clock} clock, median over rounds with the smallest and largest "
+                "(_lo, _hi); each round measures a setting and its baseline back to back; "
+                "tok_s = generated tokens per second of that clock",
     }
     path = write_results("speculative", payload, args.out)
     if args.server:
         del model
         server_meta(payload, args)
         server_sweep(tok, args.server_concurrency, args.server_max_tokens, args.threads,
-                     path, payload)
+                     args.server_rounds, path, payload)
     print(f"wrote {path}")
 
 

@@ -5,9 +5,10 @@
 - compile time per schema (a fresh compiler: the cache miss a new schema pays once);
 - mask time per constrained token (filling and applying the bitmask, from the engine's stats);
 - throughput at concurrency 1, 8 and 32 on the bundled model, every request constrained vs none
-  (generated tokens per second of wall time; the median of interleaved rounds: read the ratios).
+  (generated tokens per second of wall time; the median of interleaved rounds, with a
+  distribution-free 95% interval for the median overhead from the rounds: read the ratios).
 
-    python -m benchmarks.structured [--samples 4] [--max-tokens 96] [--rounds 3]
+    python -m benchmarks.structured [--samples 4] [--max-tokens 96] [--rounds 7]
         [--threads 1] [--only validity|throughput]
 
 writes ``benchmarks/results/structured.json``.
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import time
 from typing import Any
@@ -28,6 +31,7 @@ import infer_lab as il
 from benchmarks._common import RESULTS, print_table, provenance, write_results
 from infer_lab.engine import LLMEngine, SamplingParams
 from infer_lab.engine.structured import StructuredOutputs, StructuredOutputsParams
+from infer_lab.measure.stats import median_ci
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {"type": "object", "properties": {
@@ -131,11 +135,15 @@ def compile_and_throughput(max_tokens: int, rounds: int) -> tuple[list[dict], li
                     mask_s += engine.structured.stats.mask_seconds
                     mask_rows += engine.structured.stats.mask_rows
         ratios = [c / u for u, c in zip(rates["unconstrained"], rates["constrained"])]
+        per_round = [1 - r for r in ratios]
         rows.append({"concurrency": concurrency, "rounds": rounds,
                      "unconstrained_tok_s": statistics.median(rates["unconstrained"]),
                      "constrained_tok_s": statistics.median(rates["constrained"]),
                      "overhead": 1 - statistics.median(ratios),
-                     "overhead_per_round": [1 - r for r in ratios]})
+                     # the rounds are independent repeats: an interval for their median
+                     "overhead_ci95": [None if math.isnan(x) else x
+                                       for x in median_ci(per_round)],  # >= 6 rounds
+                     "overhead_per_round": per_round})
     return compiles, rows, mask_s / max(1, mask_rows)
 
 
@@ -143,7 +151,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds per level")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="throughput rounds per level (6 or more give a 95%% interval)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (on a shared 2-core machine a second thread "
                              "makes every step wait for a free core)")
@@ -169,9 +178,9 @@ def main() -> None:
         settings.update(rounds=args.rounds)
         print_table(compiles, ["schema", "compile_ms"])
         print_table(throughput, ["concurrency", "unconstrained_tok_s", "constrained_tok_s",
-                                 "overhead"])
+                                 "overhead", "overhead_ci95"])
         print(f"mask time per constrained token: {mask_per_token * 1e6:.0f} us")
-    stamp = provenance("cpu")
+    stamp = {**provenance("cpu"), "load_average": [round(x, 2) for x in os.getloadavg()]}
     runs = {**old.get("runs", {}), **{k: stamp for k in part}}  # which run measured each part
     path = write_results("structured", {**old, **stamp, **part, "settings": settings,
                                         "runs": runs})

@@ -41,9 +41,9 @@ def _json_object(text: str) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
-
+    from infer_lab import settings
     from infer_lab.engine.config import EngineConfig
+    from infer_lab.serve.limits import ServerLimits
     from infer_lab.serve.server import make_app, serve
 
     config = EngineConfig(
@@ -59,10 +59,11 @@ def _serve(args: argparse.Namespace) -> int:
     app = make_app(
         args.model, config=config, served_model_name=args.served_model_name,
         device=args.device, dtype=args.dtype,
-        api_key=args.api_key or os.environ.get("INFER_LAB_API_KEY"),
+        api_key=args.api_key or settings.API_KEY.get(),
         api_key_all_routes=args.api_key_all_routes, max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens, vllm_metric_names=args.vllm_metric_names,
+        limits=ServerLimits.from_namespace(args),
     )
     print(f"infer-lab: serving on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
           file=sys.stderr, flush=True)
@@ -70,6 +71,34 @@ def _serve(args: argparse.Namespace) -> int:
           limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive)
     print("infer-lab: stopped", file=sys.stderr)
     return 0
+
+
+def _add_request_limits(group: argparse._ArgumentGroup) -> None:
+    """The fields of ``infer_lab.serve.limits.ServerLimits`` (the same names and defaults; a
+    test checks they agree; importing it here would load the server stack for every command)."""
+    for flag, kind, default, text in (
+        ("--max-n", int, 8, "most parallel samples (n, best_of) per request; each holds a batch "
+         "slot"),
+        ("--max-inflight-tokens", int, 0, "admission budget: tokens the requests in flight may "
+         "occupy, each n x (prompt + max_tokens); beyond: 429 (0: twice the KV cache's tokens)"),
+        ("--max-logprobs-per-request", int, 1 << 18, "n x max_tokens x (1 + top_logprobs) at "
+         "most (one answer filling an 8k context with 20 alternatives per token fits)"),
+        ("--send-timeout", float, 10.0, "seconds a send may wait on a client that does not "
+         "read; then the request is aborted and the connection closed"),
+        ("--send-buffer-bytes", int, 0, "each connection's socket send buffer: what a client "
+         "that does not read can park in the kernel (0: the OS's, up to MBs)"),
+        ("--max-schema-bytes", int, 64 * 1024, "bytes of a JSON schema, regex or grammar"),
+        ("--max-schema-depth", int, 64, "JSON nesting of a schema"),
+        ("--max-enum-values", int, 1000, "enum values in a schema, or choice strings"),
+        ("--grammar-cache-bytes", int, 256 << 20, "bytes of compiled grammars kept for reuse"),
+        ("--max-compiles", int, 4, "grammar compilations running or queued (one thread); "
+         "beyond: 429"),
+        ("--grammar-token-ms", float, 50.0, "CPU ms the grammar matcher may take for one "
+         "token; a request over it fails alone"),
+        ("--template-timeout", float, 5.0, "seconds the chat template may take to render one "
+         "conversation (in a child process; its output counts against the prompt limit)"),
+    ):
+        group.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="admitted requests waiting for their first token; beyond: 429")
     srv.add_argument("--max-waiting-tokens", type=int, default=1 << 18,
-                     help="prompt tokens of the waiting requests; beyond: 429")
+                     help="tokens the waiting requests may occupy, each n x (prompt + "
+                     "max_tokens); beyond: 429")
     srv.add_argument("--limit-concurrency", type=int, default=1024,
                      help="requests in progress at most; beyond: a JSON 503 with Retry-After")
     srv.add_argument("--timeout-keep-alive", type=int, default=5,
@@ -132,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds in-flight requests may finish after SIGTERM/SIGINT")
     srv.add_argument("--vllm-metric-names", action="store_true",
                      help="also export the router gauges under vLLM's names (vllm:...)")
+    _add_request_limits(srv.add_argument_group(
+        "request limits", "what one request may cost (each refusal is counted in /metrics)"))
     srv.set_defaults(func=_serve)
 
     from infer_lab.measure.bench import add_bench_parser

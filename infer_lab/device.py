@@ -7,11 +7,11 @@ CPU with it, to meet on CPU the numbers a GPU reader will see.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-DTYPE_ENV = "INFER_LAB_DTYPE"
+from infer_lab import settings
+
+DTYPE_ENV = settings.DTYPE.name
 
 
 def default_device() -> torch.device:
@@ -23,12 +23,9 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     """``INFER_LAB_DTYPE`` if set; else fp32 on CPU (exact comparisons), bf16 on Ampere or newer,
     fp16 on older GPUs (a T4 has no bf16 tensor cores, and Triton no bf16 ``tl.dot`` there)."""
     device = torch.device(device)
-    forced = os.environ.get(DTYPE_ENV, "").strip()
-    if forced and forced.lower() != "auto":
-        try:
-            return _parse_dtype(forced)
-        except ValueError as e:
-            raise ValueError(f"{DTYPE_ENV}={forced!r}: {e}") from None
+    forced = settings.DTYPE.get()
+    if forced != "auto":
+        return _parse_dtype(forced)
     if device.type != "cuda":
         return torch.float32
     major, _ = torch.cuda.get_device_capability(device)
@@ -45,12 +42,8 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 
 def _parse_dtype(dtype: object) -> torch.dtype:
-    names = {
-        "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-        "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-        "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    }
+    names = settings.DTYPE_ALIASES
     try:
-        return names[str(dtype).lower()]
+        return getattr(torch, names[str(dtype).lower()])
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)} or 'auto'") from None

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any, TypeVar
 
 import torch
 
 T = TypeVar("T")
-
-
-def on_colab() -> bool:
-    return "google.colab" in sys.modules
 
 
 def on_gpu() -> bool:

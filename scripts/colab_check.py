@@ -10,9 +10,10 @@ then executes each chapter's committed ``.ipynb`` top to bottom, setup cell incl
 empty working directory (Colab runs in ``/content``, not in a checkout). A chapter passes if no
 cell raises.
 
-Usage: ``python scripts/colab_check.py [--torch torch==2.13.0] [02_kv_cache 06_serving ...]``
-(default: every chapter). It needs only python3 and git (``--from-md`` needs jupytext: run it
-with the project's venv); commit first (the clone is HEAD).
+Usage: ``python scripts/colab_check.py [--torch torch==2.13.0] [--pip pip==23.2.1]
+[02_kv_cache 06_serving ...]`` (default: every chapter, the newest pip; an older pip is how a
+reader with an older Python installation meets the setup cell). It needs only python3 and git
+(``--from-md`` needs jupytext: run it with the project's venv); commit first (the clone is HEAD).
 """
 
 from __future__ import annotations
@@ -63,14 +64,14 @@ def run(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, **kw)
 
 
-def make_venv(torch_spec: str) -> Path:
-    """The Colab-like environment; rebuilt when the torch spec changes."""
+def make_venv(torch_spec: str, pip_spec: str = "pip") -> Path:
+    """The Colab-like environment; rebuilt when the torch or pip spec changes."""
     py = VENV / "bin" / "python"
     stamp = VENV / ".colab-stamp"
-    want = f"{torch_spec}|{' '.join(COLAB_PACKAGES)}"
+    want = f"{torch_spec}|{pip_spec}|{' '.join(COLAB_PACKAGES)}"
     if not (py.exists() and stamp.exists() and stamp.read_text() == want):
         run([sys.executable, "-m", "venv", "--clear", str(VENV)])
-        run([str(py), "-m", "pip", "install", "-q", "--upgrade", "pip"])
+        run([str(py), "-m", "pip", "install", "-q", "--upgrade", pip_spec])
         if torch_spec:
             run([str(py), "-m", "pip", "install", "-q", torch_spec])
         run([str(py), "-m", "pip", "install", "-q", *COLAB_PACKAGES])
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("chapters", nargs="*", help="chapter stems, e.g. 02_kv_cache")
     parser.add_argument("--torch", default="torch==2.13.0", help="pip spec of Colab's torch")
+    parser.add_argument("--pip", default="pip", dest="pip_spec",
+                        help="pip spec of the reader's pip (default: the newest), e.g. "
+                             "pip==23.2.1 for a reader whose pip predates 24.1")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     parser.add_argument("--from-md", action="store_true",
                         help="run what scripts/sync_notebooks.py makes of each .md now, not the "
@@ -100,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(n) for n in notebooks if not n.exists()]
     if missing:
         raise SystemExit(f"no such notebooks: {missing}")
-    py = make_venv(args.torch)
+    py = make_venv(args.torch, args.pip_spec)
+    pip_version = subprocess.run([str(py), "-m", "pip", "--version"], capture_output=True,
+                                 text=True).stdout.split()[1]
+    print(f"colab-check: pip {pip_version}, {args.torch or 'the torch pip picks'}")
     results = []
     with tempfile.TemporaryDirectory(prefix="colab-check-") as tmp:
         clone = Path(tmp) / "clone"

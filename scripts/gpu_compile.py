@@ -154,6 +154,29 @@ def jobs(capability: int) -> Iterator[Job]:
         yield Job("triton_act", "_silu_and_mul_kernel", f"silu_and_mul {dt}",
                   (("x_ptr", f"*{dt}"), ("out_ptr", f"*{dt}")), (("BLOCK", 1024),), 4, 3,
                   capability, ("x_stride", "out_stride"))
+        yield from moe_jobs(dt, capability)
+
+
+def moe_jobs(dt: str, capability: int) -> Iterator[Job]:
+    """Chapter 12's fused MoE kernel: each tile configuration its dispatch picks, as the
+    gate/up launch (SwiGLU, rows gathered through top-k; k only changes an integer division, so
+    one value stands for all) and the down launch."""
+    import torch
+
+    from infer_lab.kernels.moe_triton import tile_configs
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    io = (("a_ptr", f"*{dt}"), ("b_ptr", f"*{dt}"), ("c_ptr", f"*{dt}"), ("w_ptr", "*fp32"),
+          ("sorted_ptr", "*i32"), ("expert_ptr", "*i32"), ("used_ptr", "*i32"))
+    for t in tile_configs(torch_dtype, (capability // 10, capability % 10)):
+        for top_k, swiglu in ((2, True), (1, False)):
+            what = "gate_up" if swiglu else "down"
+            yield Job("moe_triton", "_fused_moe_kernel", f"fused_moe {dt} bm={t.block_m} {what}",
+                      io, (("TOP_K", top_k), ("SWIGLU", swiglu), ("MUL_WEIGHT", not swiglu),
+                           ("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n),
+                           ("BLOCK_K", t.block_k), ("IEEE", dt == "fp32")),
+                      t.num_warps, t.num_stages, capability,
+                      ("stride_am", "stride_be", "stride_bn", "stride_cm", "N", "K"))
 
 
 def _ptxas(capability: int) -> str:

@@ -12,16 +12,22 @@ markdown cells are rewritten:
 - admonitions (``{note}``, ``{admonition} Title``, ...) become blockquotes;
 - ``(label)=`` targets are dropped and ``{numref}``/``{ref}``/``{doc}``/``{eq}`` roles keep
   their text;
-- the Colab setup cell (the first code cell that tests ``"google.colab" in sys.modules``) is
-  generated from ``repository.url`` in ``_config.yml``, keeping the chapter's extras and extra
-  packages (and adding ``[serve]`` to a chapter that uses the server): ``INFER_LAB_REPO``
-  overrides the URL, and a failed install says what to do.
+
+One cell is generated rather than converted: the Colab setup cell (the first code cell that
+tests ``"google.colab" in sys.modules``), from ``repository.url`` in ``_config.yml``, keeping
+the chapter's extras and extra packages (and adding ``[serve]`` to a chapter that uses the
+server). ``INFER_LAB_REPO`` overrides the URL, a ``git+file:///`` URL gets the host name that
+pip before 24.1 requires, and a failed install says what to do. The generated cell is written
+into the ``.md`` too, so the book shows exactly what the notebook runs, within 88 columns. So is
+the "Open in Colab" badge line: in the ``.md`` it shows the image shipped with the book
+(``book/images/colab-badge.svg``; a page fetches no image from elsewhere), in the ``.ipynb``
+Colab's own.
 
 Cell ids are derived from the chapter and the cell's position, so the output depends on the
 ``.md`` alone: running the script twice changes nothing (``make pairing`` relies on it).
 
 Usage: ``python scripts/sync_notebooks.py [chapters/NN_x.md ...]`` (default: every chapter);
-``--check`` writes nothing and exits 1 if a notebook would change.
+``--check`` writes nothing and exits 1 if a notebook (or a .md's setup cell) would change.
 """
 
 from __future__ import annotations
@@ -217,24 +223,34 @@ def results_url(url: str, branch: str = "main") -> str | None:
     return f"https://raw.githubusercontent.com/{owner}/{name}/{branch}/benchmarks/results"
 
 
+def _setup_packages(source: str) -> list[str]:
+    """The extra packages a setup cell installs beside infer_lab: the quoted names in its
+    ``[sys.executable, ...]`` list, old hand-written form or generated one."""
+    m = re.search(r"\[sys\.executable,(.*?)\](?=\s*[,)\n])", source, re.DOTALL)
+    skip = {"-m", "pip", "install", "-q", "-U", "--upgrade"}
+    quoted = r'"([A-Za-z0-9_.\-]+(?:[=<>!~]=?[A-Za-z0-9_.*]+)?)"'
+    names = re.findall(quoted, m.group(1) if m else "")
+    return [p for p in names if p not in skip and not p.startswith("infer_lab")]
+
+
 def setup_cell(source: str, url: str, serves: bool = False, branch: str = "main") -> str:
     """The Colab install cell, generated; keeps the chapter's extras and extra packages, and
-    adds the ``serve`` extra when the chapter uses the server (``serves``)."""
+    adds the ``serve`` extra when the chapter uses the server (``serves``). Every line fits
+    the book's 88 columns, and the same text is written into the .md and the .ipynb."""
     extras = re.search(r"infer_lab(\[[a-z,\-]+\])", source)
     extra = extras.group(1) if extras else ("[serve]" if serves else "")
-    skip = {"-m", "pip", "install", "-q", "-U", "--upgrade"}
-    packages = [p for p in re.findall(r'"([A-Za-z0-9_.\-]+(?:[=<>!~]=?[A-Za-z0-9_.*]+)?)"',
-                                      source.split("subprocess.run", 1)[-1])
-                if p not in skip and not p.startswith("infer_lab")]
-    what = f"infer_lab{extra}" + (f" and {', '.join(packages)}" if packages else "")
+    packages = _setup_packages(source)
+    what = ", ".join([f"infer_lab{extra}", *packages])
     pkgs = "".join(f', "{p}"' for p in packages)
     raw = results_url(url, branch)
     results = ("\n    # where infer_lab.measure.results finds the figures the prose quotes"
                f'\n    RAW = "{raw.removesuffix("/benchmarks/results")}"'
                '\n    os.environ.setdefault("INFER_LAB_RESULTS", RAW + "/benchmarks/results")'
                ) if raw else ""
-    return f'''# On Colab, install {what} from the repository (elsewhere it is installed).
-# INFER_LAB_REPO overrides where from: any pip requirement, e.g. git+file:///path/to/clone.
+    return f'''# On Colab, install {what} from the book's repository;
+# anywhere else this cell does nothing (infer_lab is installed: see How to run).
+# INFER_LAB_REPO, if set, says where from: git+https://..., git+file:///path/to/clone,
+# or any other pip requirement.
 import os
 import subprocess
 import sys
@@ -242,18 +258,73 @@ import sys
 if "google.colab" in sys.modules:
     REPO = "git+{url}"  # from _config.yml
     spec = os.environ.get("INFER_LAB_REPO", REPO)
+    # pip before 24.1 rejects "name @ file:///path" (an empty host): name the host
+    spec = spec.replace("git+file:///", "git+file://localhost/")
     req = f"infer_lab{extra} @ {{spec}}" if "://" in spec else spec
     pip = [sys.executable, "-m", "pip", "install", "-q", req{pkgs}]
     if subprocess.run(pip).returncode:
         raise SystemExit(
-            f"Could not install {{req!r}} (pip's message is above). Check that the runtime is "
-            "online, or point INFER_LAB_REPO at a reachable copy: os.environ['INFER_LAB_REPO'] "
-            "= 'git+https://github.com/<you>/infer_lab', then run this cell again."){results}'''
+            f"Could not install {{req!r}} (pip's message is above). Check that the "
+            "runtime is online, or point INFER_LAB_REPO at a reachable copy: "
+            "os.environ['INFER_LAB_REPO'] = 'git+https://github.com/<you>/infer_lab', "
+            "then run this cell again."
+        ){results}'''
+
+
+# The "Open in Colab" badge: the book shows its own copy of the image (a page never fetches an
+# image from elsewhere); the notebook, which is open in Colab or Jupyter anyway, keeps Colab's.
+BADGE = re.compile(r"^\[!\[Open In Colab\]\([^)\s]*\)\]\(https://colab\.research\.google\.com/[^)\s]*\)"
+                   r"[ \t]*$", re.MULTILINE)
+BADGE_IMAGE = "../book/images/colab-badge.svg"  # relative to chapters/
+COLAB_BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
+
+
+def colab_url(url: str, branch: str, stem: str) -> str:
+    """Where Colab opens ``chapters/<stem>.ipynb`` of the repository ``url`` (GitHub only)."""
+    m = re.fullmatch(r"https://github\.com/([^/]+/[^/]+?)(?:\.git)?/?", url)
+    if not m:
+        raise ValueError(f"Colab opens notebooks from GitHub; repository.url is {url}")
+    return f"https://colab.research.google.com/github/{m.group(1)}/blob/{branch}/chapters/{stem}.ipynb"
+
+
+def with_badge(text: str, url: str, branch: str, stem: str) -> str:
+    """``text`` with its Colab badge line generated: the shipped image, this chapter's link."""
+    badge = f"[![Open In Colab]({BADGE_IMAGE})]({colab_url(url, branch, stem)})"
+    return BADGE.sub(lambda _: badge, text, count=1)
+
+
+SETUP_BLOCK = re.compile(r"^(```\{code-cell\}[^\n]*\n)(.*?)(^```[ \t]*$)", re.MULTILINE | re.DOTALL)
+
+
+def with_setup_cell(text: str, url: str, branch: str = "main") -> str:
+    """``text`` (a chapter's .md) with its Colab setup cell replaced by the generated one, so
+    that the .md shows exactly what the .ipynb runs; unchanged if it has no setup cell."""
+    for m in SETUP_BLOCK.finditer(text):
+        body = m.group(2)
+        if SETUP_MARK not in body:
+            continue
+        lines = body.split("\n")
+        keep = 0  # the cell's own options stay: ":tags: ..." lines, or a "---" YAML block
+        if lines[0] == "---":
+            keep = lines.index("---", 1) + 1
+        while keep < len(lines) and lines[keep].startswith(":"):
+            keep += 1
+        options = lines[:keep]
+        cell = setup_cell(body, url, bool(SERVES.search(text)), branch)
+        new = "\n".join(options + [cell]) + "\n"
+        return text[: m.start(2)] + new + text[m.end(2) :]
+    return text
 
 
 # ----------------------------------------------------------------------------- notebooks
+def generated(text: str, url: str, stem: str) -> str:
+    """A chapter's .md with its generated parts (the Colab badge, the setup cell) up to date."""
+    branch = repository_branch()
+    return with_setup_cell(with_badge(text, url, branch, stem), url, branch)
+
+
 def notebook_for(md: Path, bib: dict, url: str) -> nbformat.NotebookNode:
-    text = md.read_text(encoding="utf-8")
+    text = generated(md.read_text(encoding="utf-8"), url, md.stem)
     prefix = ""
     m = re.search(r"^:keyprefix:\s*(\S+)", text, re.MULTILINE)
     if m:
@@ -264,7 +335,8 @@ def notebook_for(md: Path, bib: dict, url: str) -> nbformat.NotebookNode:
     for i, cell in enumerate(nb.cells):
         cell["id"] = hashlib.sha1(f"{md.stem}:{i}".encode()).hexdigest()[:8]
         if cell.cell_type == "markdown":
-            cell.source = plain_markdown(cell.source, cites)
+            cell.source = plain_markdown(cell.source, cites).replace(
+                f"]({BADGE_IMAGE})]", f"]({COLAB_BADGE_IMAGE})]")
         elif cell.cell_type == "code" and not setup_done and SETUP_MARK in cell.source:
             cell.source = setup_cell(cell.source, url, bool(SERVES.search(text)),
                                      repository_branch())
@@ -277,18 +349,22 @@ def notebook_for(md: Path, bib: dict, url: str) -> nbformat.NotebookNode:
 
 def sync(md: Path, *, check: bool = False, bib: dict | None = None, url: str | None = None
          ) -> bool:
-    """Write ``md``'s notebook; True if it changed (with ``check``: would change)."""
+    """Write ``md``'s generated setup cell into the .md and its notebook next to it; True if
+    either changed (with ``check``: would change)."""
     bib = load_bib(ROOT / "references.bib") if bib is None else bib
     url = repository_url() if url is None else url
+    source = md.read_text(encoding="utf-8")
+    md_text = generated(source, url, md.stem)
     text = jupytext.writes(notebook_for(md, bib, url), fmt="ipynb")
     if not text.endswith("\n"):
         text += "\n"
     target = md.with_suffix(".ipynb")
     old = target.read_text(encoding="utf-8") if target.exists() else None
-    if old == text:
+    if old == text and md_text == source:
         return False
     if not check:
         target.write_text(text, encoding="utf-8")
+        md.write_text(md_text, encoding="utf-8")
     return True
 
 

@@ -409,3 +409,15 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, database=None, deadline=None
 )
 TestBlockManager = BlockManagerMachine.TestCase
+
+
+def test_the_old_keyword_n_still_works_and_warns():
+    """``n`` was renamed ``num_blocks`` (vLLM's name); the old keyword keeps working a while."""
+    pool = BlockPool(4)
+    with pytest.warns(DeprecationWarning, match=r"can_allocate\(n=...\) is deprecated: use num"):
+        assert pool.can_allocate(n=4)
+    with pytest.warns(DeprecationWarning, match="use num_blocks="):
+        assert len(pool.get_new_blocks(n=2)) == 2
+    assert pool.get_new_blocks(num_blocks=1) and pool.can_allocate(1)
+    with pytest.raises(TypeError, match="both n= and num_blocks="):
+        pool.can_allocate(n=1, num_blocks=1)

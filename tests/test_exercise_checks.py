@@ -168,30 +168,41 @@ def test_ch03_checks_fail_on_wrong_answers_and_pass_the_solutions(ch3):
 
 # -------------------------------------------------------------------------------- chapter 5
 CH5 = "05_continuous_batching"
+CH5B = "05b_prefix_caching_and_cuda_graphs"
 CH5_LAUNCHES = 300  # a stand-in for the launches the chapter counts in one decode step
 
 
 @pytest.fixture(scope="module")
 def ch5() -> dict[str, Any]:
-    """The chapter's inline schedulers, block keys and check functions, without the model."""
+    """The chapter's inline schedulers and check functions, without the model."""
     from collections import deque
     from dataclasses import dataclass
 
-    from infer_lab.engine import EngineConfig, KVCacheManager
-    from infer_lab.engine.sequence import Request, Sequence
     from infer_lab.measure.workloads import long_tail_mix
     from infer_lab.utils import cdiv
 
     reqs = long_tail_mix(16)
     namespace: dict[str, Any] = {
-        "il": il, "deque": deque, "dataclass": dataclass, "cdiv": cdiv, "Request": Request,
-        "Sequence": Sequence, "KVCacheManager": KVCacheManager, "EngineConfig": EngineConfig,
-        "BATCH": 8, "BUDGET": 64, "LONG": 768, "launches": CH5_LAUNCHES,
+        "il": il, "deque": deque, "dataclass": dataclass, "cdiv": cdiv,
+        "BATCH": 8, "BUDGET": 64, "LONG": 768,
         "lengths": [(r.prompt_len, r.output_len) for r in reqs],
     }
     return run_cells(namespace, *(definitions(cell_with(CH5, marker)) for marker in (
-        "def static_steps", "def mini_schedule", "def block_keys", "def sequence(",
-        "def check_1")))
+        "def static_steps", "def mini_schedule", "def check_1")))
+
+
+@pytest.fixture(scope="module")
+def ch5b() -> dict[str, Any]:
+    """The second part's block keys, hand-built sequences and check functions, no model."""
+    from infer_lab.engine import EngineConfig, KVCacheManager
+    from infer_lab.engine.sequence import Request, Sequence
+
+    namespace: dict[str, Any] = {
+        "il": il, "Request": Request, "Sequence": Sequence, "KVCacheManager": KVCacheManager,
+        "EngineConfig": EngineConfig, "launches": CH5_LAUNCHES,
+    }
+    return run_cells(namespace, *(definitions(cell_with(CH5B, marker)) for marker in (
+        "def block_keys", "def sequence(", "def check_1")))
 
 
 def scheduler_log(lengths: list[tuple[int, int]], budget: int, blocks: int,
@@ -243,19 +254,23 @@ def test_ch05_mini_scheduler_decides_what_the_package_scheduler_decides(ch5, bud
         assert any(n > 1 for work, _ in mine[5:] for _, n in work)
 
 
-def test_ch05_block_keys_are_the_kv_managers_keys(ch5):
-    seq = ch5["sequence"](0, list(range(37)))
-    kv = ch5["KVCacheManager"](ch5["EngineConfig"](num_kv_blocks=8, block_size=8))
+def test_ch05b_block_keys_are_the_kv_managers_keys(ch5b):
+    seq = ch5b["sequence"](0, list(range(37)))
+    kv = ch5b["KVCacheManager"](ch5b["EngineConfig"](num_kv_blocks=8, block_size=8))
     kv.allocate_slots(seq, 37)
     seq.num_computed = 37
     kv.cache_blocks(seq)
-    assert ch5["block_keys"](list(range(37)), 8) == seq.block_keys
+    assert ch5b["block_keys"](list(range(37)), 8) == seq.block_keys
     assert len(seq.block_keys) == 4
+    other = ch5b["block_keys"]([99] * 8 + list(range(8, 16)), 8)  # block 2's tokens, new start
+    assert other[1][1] == seq.block_keys[1][1] and other[1] != seq.block_keys[1]
 
 
-def test_ch05_checks_accept_an_unanswered_exercise(ch5, capsys):
-    for k in range(1, 6):
+def test_ch05_checks_accept_an_unanswered_exercise(ch5, ch5b, capsys):
+    for k in range(1, 4):
         ch5[f"check_{k}"](None)
+    for k in range(1, 3):
+        ch5b[f"check_{k}"](None)
     assert capsys.readouterr().out.count("replace None") == 5
 
 
@@ -269,13 +284,20 @@ def test_ch05_checks_fail_on_wrong_answers_and_pass_the_solutions(ch5):
         ("check_2", right_blocks, right_blocks + 8),  # no preemption, but not the least
         ("check_2", right_blocks, right_blocks - 8),
         ("check_3", 7, 6),  # ceil(768 / 124), not 768 / 128
-        ("check_4", 2, 3),  # the last token is always computed
-        ("check_5", CH5_LAUNCHES * 4e-3, CH5_LAUNCHES * 4e-6),  # in ms, not s
     ]
     for name, right, wrong in cases:
         ch5[name](right)
         with pytest.raises(AssertionError):
             ch5[name](wrong)
+
+
+def test_ch05b_checks_fail_on_wrong_answers_and_pass_the_solutions(ch5b):
+    cases = [
+        ("check_1", 2, [3, 0]),  # the last token is always computed
+        ("check_2", CH5_LAUNCHES * 4e-3, [CH5_LAUNCHES * 4e-6]),  # in ms, not s
+    ]
+    assert_checks(ch5b, cases)
+    run_cells(dict(ch5b), *(cell_with(CH5B, f"# Solution {k}.") for k in (1, 2)))
 
 
 # -------------------------------------------------------------------------------- chapter 1
@@ -574,4 +596,62 @@ def test_ch11_checks_fail_on_wrong_answers_and_pass_the_solutions(ch11, capsys):
         ]),
     ]
     assert_checks(ch11, cases)
+    assert capsys.readouterr().out.count("right") == 3
+
+
+# -------------------------------------------------------------------------------- chapter 12
+CH12 = "12_mixture_of_experts"
+
+
+@pytest.fixture(scope="module")
+def ch12() -> dict[str, Any]:
+    """The chapter's checks and its inline router, expert loop and grouped computation."""
+    import torch
+    import torch.nn.functional as F
+
+    from infer_lab.measure import moe as mm
+
+    namespace: dict[str, Any] = {"torch": torch, "F": F, "mm": mm}
+    for marker in ("def route(", "def moe_loop(", "def moe_grouped("):
+        run_cells(namespace, definitions(cell_with(CH12, marker)))
+    return run_cells(namespace, cell_with(CH12, "def check_1"))
+
+
+def test_ch12_inline_moe_equals_the_package(ch12):
+    import torch
+
+    from infer_lab.kernels.moe import moe_naive, select_experts
+
+    gen = torch.Generator().manual_seed(12)
+    x, router = torch.randn(37, 24, generator=gen), torch.randn(6, 24, generator=gen)
+    w13, w2 = torch.randn(6, 32, 24, generator=gen), torch.randn(6, 24, 16, generator=gen)
+    for renormalize in (True, False):
+        w, e = ch12["route"](x, router, 2, renormalize)
+        w_pkg, e_pkg = select_experts(x @ router.T, 2, renormalize)
+        assert torch.equal(e, e_pkg) and torch.allclose(w, w_pkg)
+    ref = moe_naive(x, w13, w2, w, e)
+    torch.testing.assert_close(ch12["moe_loop"](x, w13, w2, w, e), ref)
+    torch.testing.assert_close(ch12["moe_grouped"](x, w13, w2, w, e), ref)
+
+
+def test_ch12_checks_accept_an_unanswered_exercise(ch12, capsys):
+    for k in (1, 2, 3):
+        ch12[f"check_{k}"](None)
+    assert capsys.readouterr().out.count("replace None") == 3
+
+
+def test_ch12_checks_fail_on_wrong_answers_and_pass_the_solutions(ch12, capsys):
+    run_cells(dict(ch12), *(cell_with(CH12, f"# Solution {k}.") for k in (1, 2, 3)))
+    assert capsys.readouterr().out.count("right") == 3  # each solution cell runs its check
+    per_expert = 3 * 2048 * 768
+    cases = [  # wrong: one layer only, every expert, two matrices per expert
+        ("check_1", 48 * 8 * per_expert, [8 * per_expert, 48 * 128 * per_expert,
+                                          48 * 8 * 2 * 2048 * 768]),
+        # ... B k picks as if all distinct, k (batch 1), every expert
+        ("check_2", 256 * (1 - (1 - 8 / 256) ** 32), [8 * 32, 8, 256]),
+        # ... every pair remote, one way only, fp32
+        ("check_3", 2 * 8 * 4096 * 2 * 7 / 8, [2 * 8 * 4096 * 2, 8 * 4096 * 2 * 7 / 8,
+                                               2 * 8 * 4096 * 4 * 7 / 8]),
+    ]
+    assert_checks(ch12, cases)
     assert capsys.readouterr().out.count("right") == 3

@@ -25,6 +25,7 @@ from infer_lab.measure.capacity import (
     goodput_tokens,
     meets,
     roofline_rate,
+    steady_step_s,
 )
 from infer_lab.measure.flops import arithmetic_intensity, attended_pairs
 from infer_lab.measure.hardware import GPUS
@@ -144,8 +145,8 @@ def point(load, rps, ttft_p99, ttft_hi, tpot_p99=0.01, tpot_hi=0.012, failed=0, 
                "ttft.p99": ttft_p99, "tpot.p99": tpot_p99, "failed": failed}
     if goodput is not None:
         metrics["goodput"] = goodput
-    return {"load": load, "metrics": metrics,
-            "ci": {"ttft.p99": [ttft_p99 * 0.8, ttft_hi], "tpot.p99": [tpot_p99 * 0.8, tpot_hi]}}
+    ci = {"ttft.p99": [ttft_p99 * 0.8, ttft_hi], "tpot.p99": [tpot_p99 * 0.8, tpot_hi]}
+    return {"load": load, "metrics": metrics, "ci": ci, "ci_block": ci}
 
 
 SLO = {"ttft": 0.250, "tpot": 0.025}
@@ -159,6 +160,20 @@ def test_the_upper_bound_decides_not_the_point_estimate():
         meets(p, SLO, "median")
     with pytest.raises(ValueError):
         meets({"load": 1, "metrics": {"ttft.p99": 0.1}}, SLO)  # no interval stored
+    with pytest.raises(ValueError):
+        meets(p, SLO, interval="bayes")
+
+
+def test_the_time_block_interval_judges_by_default():
+    # over requests the p99 looks tight (one stall's ten requests read as ten observations);
+    # over stretches of the timeline it is as wide as one event makes it
+    p = point(32, 30.0, ttft_p99=0.240, ttft_hi=0.241)
+    p["ci_block"] = {"ttft.p99": [0.15, 0.31], "tpot.p99": [0.008, 0.012]}
+    assert meets(p, SLO, interval="requests") and not meets(p, SLO)
+    old = {k: v for k, v in p.items() if k != "ci_block"}  # a result from before the block CI
+    with pytest.raises(ValueError, match="reanalyse"):
+        meets(old, SLO)
+    assert meets(old, SLO, interval="requests")
 
 
 def test_replicas_from_the_heaviest_trusted_passing_load():
@@ -214,16 +229,94 @@ def test_roofline_rate_by_hand():
     per_seq = (8 + 4) * kv_bytes_per_token(CFG, 2)
     r = roofline_rate(CFG, gpu, prompt_len=8, output_len=4, tpot_bound=1.0, max_batch=4)
     assert r.fits and r.batch == 4 and r.limit == "max_batch"
-    step = max(step_bytes(CFG, 4, 1, 10) / 100e9, step_flops(CFG, 4, 1, 10) / 1e12)
-    prefill = step_flops(CFG, 1, 8, 0) / 1e12
-    assert r.step_s == pytest.approx(step)
-    assert r.tokens_per_s == pytest.approx(4 / (4 * step / 4 + prefill))
+    # steady state: 4 decodes at context 8 + 4 // 2 = 10, and 4 / 4 = 1 prefill of 8 tokens in
+    # the same step (chunked): its FLOPs, and its K/V and embedding rows, on top
+    prompt_bytes = 8 * (kv_bytes_per_token(CFG, 2) + CFG.hidden_size * 2)
+    step = max((step_bytes(CFG, 4, 1, 10) + prompt_bytes) / 100e9,
+               (step_flops(CFG, 4, 1, 10) + step_flops(CFG, 1, 8, 0)) / 1e12)
+    assert r.step_s == pytest.approx(step) and r.prefill_tokens_per_step == 8
+    assert r.tokens_per_s == pytest.approx(4 / step)  # 4 tokens a step, one per sequence
+    assert r.requests_per_s == pytest.approx(1 / step)
+    # without chunking the prefill is a step of its own that everyone waits for
+    apart = roofline_rate(CFG, gpu, 8, 4, 1.0, max_batch=4, chunked_prefill=False)
+    assert apart.step_s == pytest.approx(
+        max(step_bytes(CFG, 4, 1, 10) / 100e9, step_flops(CFG, 4, 1, 10) / 1e12)
+        + max(step_bytes(CFG, 1, 8, 0) / 100e9, step_flops(CFG, 1, 8, 0) / 1e12))
     # memory: at most (0.9 GiB - weights) / per_seq sequences
     mem = int((0.9 * 2**30 - weights) // per_seq)
     big = roofline_rate(CFG, gpu, 8, 4, tpot_bound=1.0, max_batch=10 * mem)
     assert big.batch == mem and big.limit == "memory"
-    tight = roofline_rate(CFG, gpu, 8, 4, tpot_bound=step_bytes(CFG, 2, 1, 10) / 100e9 * 1.0001)
+    bound = steady_step_s(CFG, gpu, 2, 8, 4) * 1.0001
+    tight = roofline_rate(CFG, gpu, 8, 4, tpot_bound=bound)
     assert tight.limit == "tpot" and tight.batch == 2
+
+
+def test_the_issues_example_meets_its_bound_once_prefills_are_counted():
+    """Llama-3-8B, A100, 512 in / 128 out, TPOT <= 25 ms (issue 26).
+
+    Sizing the batch on a decode step alone gave 475 sequences; every step then also carries
+    475 / 128 prefills of 512 tokens, and a sequence's tokens come ~110 ms apart."""
+    from infer_lab.cache import PUBLISHED
+
+    cfg, gpu, bound = PUBLISHED["Llama-3-8B"].config, GPUS["A100-80GB"], 0.025
+    peak, bw = gpu.tflops_16bit * 1e12, gpu.bandwidth_gbs * 1e9
+
+    def decode_only(b):
+        return max(step_bytes(cfg, b, 1, 576) / bw, step_flops(cfg, b, 1, 576) / peak)
+
+    old = max(b for b in range(1, 1025) if decode_only(b) <= bound)
+    prefill = step_flops(cfg, 1, 512, 0) / peak
+    old_gap = decode_only(old) + old / 128 * prefill  # each step's share of prefills, counted
+    assert old == 475 and 0.105 < old_gap < 0.115
+    r = roofline_rate(cfg, gpu, 512, 128, bound)
+    assert r.limit == "tpot" and r.batch < old
+    assert r.batch / r.tokens_per_s == pytest.approx(r.step_s) and r.step_s <= bound
+    assert steady_step_s(cfg, gpu, r.batch + 1, 512, 128) > bound  # the largest such batch
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_every_operating_point_meets_its_bound_with_prefills_counted(chunked):
+    """A property over the package's GPU table, models and request shapes: the time between a
+    sequence's tokens, recomputed here from the FLOP and byte counts with the steady state's
+    prefills in every step, is within the bound, and one more sequence would break it."""
+    from infer_lab.cache import PUBLISHED
+
+    models = [PUBLISHED[name].config for name in ("Llama-3-8B", "Mistral-7B-v0.1", "Qwen2.5-7B",
+                                                  "Llama-3-70B")] + [CFG]
+    checked = 0
+    for gpu in GPUS.values():
+        peak, bw = gpu.tflops_16bit * 1e12, gpu.bandwidth_gbs * 1e9
+        for cfg in models:
+            for prompt, out in ((64, 16), (512, 128), (2048, 256), (128, 1024)):
+                for bound in (0.01, 0.025, 0.1):
+                    r = roofline_rate(cfg, gpu, prompt, out, bound, chunked_prefill=chunked)
+                    if not r.batch:
+                        continue
+                    b, ctx = r.batch, prompt + out // 2
+                    flops = step_flops(cfg, b, 1, ctx) + b / out * step_flops(cfg, 1, prompt, 0)
+                    gap = b / r.tokens_per_s  # a sequence gets one token per step
+                    assert gap <= bound * (1 + 1e-9), (gpu.name, prompt, out, bound, b, gap)
+                    assert gap >= flops / peak * (1 - 1e-9)  # never faster than the arithmetic
+                    assert gap >= step_bytes(cfg, b, 1, ctx) / bw * (1 - 1e-9)
+                    assert r.requests_per_s * out == pytest.approx(r.tokens_per_s)
+                    if r.limit == "tpot":
+                        assert steady_step_s(cfg, gpu, b + 1, prompt, out,
+                                             chunked_prefill=chunked) > bound
+                    checked += 1
+    assert checked > 50
+
+
+def test_chunked_prefill_never_slows_the_steady_step():
+    # one step doing both works costs at most the two done apart (max(a+b, c+d) <= max(a, c) +
+    # max(b, d)), and less where a bandwidth-bound decode has compute to spare
+    from infer_lab.cache import PUBLISHED
+
+    cfg = PUBLISHED["Llama-3-8B"].config
+    for gpu in GPUS.values():
+        for b in (1, 16, 128):
+            both = steady_step_s(cfg, gpu, b, 512, 128)
+            apart = steady_step_s(cfg, gpu, b, 512, 128, chunked_prefill=False)
+            assert both <= apart * (1 + 1e-12)
 
 
 def test_roofline_knows_what_does_not_fit():
@@ -252,7 +345,8 @@ def chapter7_checks() -> dict:
     text = (Path(__file__).parents[1] / "chapters" / "07_measurement.md").read_text()
     cells = re.findall(r"```\{code-cell\} ipython3\n(.*?)```", text, flags=re.S)
     (source,) = [c for c in cells if "def check_1(" in c]
-    ns = {"math": math, "stats": stats, "RequestResult": RequestResult, "capacity": capacity}
+    ns = {"math": math, "np": np, "stats": stats, "RequestResult": RequestResult,
+          "capacity": capacity}
     exec(source, ns)  # noqa: S102 - the chapter's own code, read from the repository
     return ns
 
@@ -272,6 +366,13 @@ def test_chapter7_checks_reject_wrong_answers_and_accept_the_solutions(capsys):
     little = 16 / p16["metrics"]["request_throughput"]
     strict = capacity(sweep["points"], {"ttft": 0.250, "tpot": 0.100}, 100).replicas or 0
     n_999 = next(n for n in range(9000, 11000) if beyond(n, 99.9) >= 10)
+    from infer_lab.measure import stats
+
+    p8 = next(p for p in sweep["points"] if p["load"] == 8)
+    sent8 = stats.closed_loop_send_times(np.array(p8["per_request_ms"]["e2el"]) / 1e3, 8)
+    ttft8 = np.array(p8["per_request_ms"]["ttft"]) / 1e3
+    events = stats.stall_events(ttft8, sent8)
+    assert events < beyond(len(ttft8), 99)  # the answer is not the sample count
     cases = [
         ("check_1", (0.075,), (0.70 / 5,)),  # E2EL / tokens is not TPOT
         ("check_2", ("inter_token_latency_ms",), ("time_per_output_token_ms",)),
@@ -279,6 +380,7 @@ def test_chapter7_checks_reject_wrong_answers_and_accept_the_solutions(capsys):
         ("check_4", (strict, sweep), (strict + 1, sweep)),
         ("check_5", (n_999,), (n_999 + 1,)),  # enough, but not the least
         ("check_6", (2.50 / 7.2,), (2.50 / 2000,)),
+        ("check_7", (events, sweep), (beyond(len(ttft8), 99), sweep)),  # samples, not events
     ]
     for name, right, wrong in cases:
         ns[name](*right)
@@ -286,3 +388,34 @@ def test_chapter7_checks_reject_wrong_answers_and_accept_the_solutions(capsys):
             ns[name](*wrong)
     ns["check_1"](None)  # not answered: a reminder, not a failure
     assert "not answered yet" in capsys.readouterr().out
+
+
+def test_the_guidellm_appendix_quotes_the_committed_result():
+    """book/guidellm.md is plain Markdown (it is not executed): every figure in its tables must
+    be what benchmarks/results/guidellm_compare.json holds, rounded as printed."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    data = json.loads((root / "benchmarks" / "results" / "guidellm_compare.json").read_text())
+    page = (root / "book" / "guidellm.md").read_text()
+    assert f"guidellm {data['guidellm_version'].split()[-1]}" in page
+    assert f"commit {data['commit']}, {data['date'][:10]}" in page
+    names = {"TTFT": 0, "TPOT": 1, "E2EL": 2}
+    rows = re.findall(r"^\| (\d+) \| (TTFT|TPOT|E2EL) \| [^|]+ \| ([\d.]+) \| ([\d.]+) \| "
+                      r"([+-]\d+)% \|$", page, flags=re.M)
+    assert len(rows) == 3 * len(data["points"])
+    for c, metric, ours, theirs, diff in rows:
+        pt = next(p for p in data["points"] if p["concurrency"] == int(c))
+        r = pt["rows"][names[metric]]
+        assert (ours, theirs) == (f"{r['ours_p50']:.1f}", f"{r['guidellm_p50']:.1f}")
+        assert int(diff) == round(100 * r["diff_p50"])
+    seen = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", page, flags=re.M)
+    assert len(seen) == len(data["points"])
+    for c, ours, theirs in seen:
+        pt = next(p for p in data["points"] if p["concurrency"] == int(c))
+        assert ours == f"{pt['server_mean_ms']['infer_lab']['itl']:.1f}"
+        assert theirs == f"{pt['server_mean_ms']['guidellm']['itl']:.1f}"
+    n = min(p["guidellm"]["num_requests"] for p in data["points"])
+    assert data["workload"]["num_requests"] == 160 and beyond(160, 99) <= 2 and n >= 150

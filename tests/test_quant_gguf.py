@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import infer_lab as il
+from infer_lab.model.gguf import read_gguf
 from infer_lab.model.quantize import (
     QuantizationError,
     QuantizedEmbedding,
@@ -57,7 +58,7 @@ def test_kept_blocks_give_the_dequantized_logits(qtype, tie, tok_dir, tmp_path):
     path = write_gguf(tmp_path / f"m-{qtype}.gguf", source, tok_dir, qtype)
     dequantized, _ = il.load(path, device="cpu", dtype=torch.float32)
     kept, _ = il.load(path, device="cpu", dtype=torch.float32)
-    keep_gguf_blocks(kept, path)
+    keep_gguf_blocks(kept, read_gguf(path).weights())
     assert kept.quantization == "gguf" and isinstance(kept.embed_tokens, QuantizedEmbedding)
     assert (kept.lm_head is kept.embed_tokens.table) == tie
     assert model_weight_bytes(kept) < 0.4 * model_weight_bytes(dequantized)
@@ -84,4 +85,4 @@ def test_kept_blocks_give_the_dequantized_logits(qtype, tie, tok_dir, tmp_path):
         x = torch.tensor([ids])
         assert torch.equal(direct(x), kept(x))
     with pytest.raises(QuantizationError, match="already quantized"):
-        keep_gguf_blocks(kept, path)
+        keep_gguf_blocks(kept, read_gguf(path).weights())

@@ -121,8 +121,8 @@ def test_non_streaming_disconnect_aborts(server):
         await asyncio.gather(*(quitter() for _ in range(4)))
 
     asyncio.run(quitters())
-    assert wait_for(lambda: metric(server, "request_aborted_total") >= aborted + 4, 15)
-    assert wait_for(lambda: metric(server, "kv_cache_blocks_used") == 0, 15)
+    assert wait_for(lambda: metric(server, "request_aborted_total") >= aborted + 4, 60)
+    assert wait_for(lambda: metric(server, "kv_cache_blocks_used") == 0, 60)
     assert metric(server, "generation_tokens_total") - generated < 4 * 1500 / 2
 
 
@@ -171,10 +171,10 @@ def test_waiting_prompt_tokens_are_bounded():
 def test_half_sent_header_is_dropped(server):
     with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
-        s.settimeout(10)
+        s.settimeout(60)
         assert s.recv(1024) == b""  # closed by the server, not held forever
     with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))) as s:
-        s.settimeout(10)
+        s.settimeout(60)
         assert s.recv(1024) == b""  # a socket that never sends a byte is dropped too
     assert httpx.get(f"{server}/health").status_code == 200
 
@@ -185,7 +185,7 @@ def test_a_body_that_trickles_in_is_dropped():
             ("127.0.0.1", int(base.rsplit(":", 1)[1]))) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                   b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
-        s.settimeout(10)
+        s.settimeout(60)
         reply = b""
         for _ in range(20):  # the server answers, then closes (bounded reads)
             part = s.recv(4096)
@@ -207,7 +207,7 @@ def test_health_reports_a_dead_engine():
         for _ in range(3):
             r = post(base, "/v1/completions", {"prompt": "Amen", "max_tokens": 2})
             assert r.status_code in (500, 503) and r.json()["error"]
-        assert wait_for(lambda: httpx.get(f"{base}/health").status_code == 503, 10)
+        assert wait_for(lambda: httpx.get(f"{base}/health").status_code == 503, 60)
         assert httpx.get(f"{base}/health").json()["status"] == "dead"
         r = post(base, "/v1/completions", {"prompt": "Amen", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"

@@ -36,17 +36,17 @@ def test_limit_concurrency_answers_json_503_beyond_it():
     try:
         held = [hold_a_slot(port), hold_a_slot(port)]
         assert wait_for(lambda: httpx.post(f"{base}/v1/completions", json=body,
-                                           timeout=30).status_code == 503, timeout=20)
+                                           timeout=30).status_code == 503, timeout=60)
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
         assert r.status_code == 503 and r.headers["content-type"] == "application/json"
         assert int(r.headers["retry-after"]) >= 1
         error = r.json()["error"]
         assert error["type"] == "server_error" and "limit of 2 concurrent" in error["message"]
-        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
         for s in held:
             s.close()
         assert wait_for(lambda: httpx.post(f"{base}/v1/completions", json=body,
-                                           timeout=30).status_code == 200, timeout=20)
+                                           timeout=30).status_code == 200, timeout=60)
     finally:
         for s in held:
             s.close()

@@ -43,7 +43,7 @@ def test_signal_drains_then_exits_cleanly(sig):
                             events.append(line[6:])
 
             streaming = asyncio.ensure_future(long_stream())
-            for _ in range(600):  # until the stream is under way (bounded)
+            for _ in range(2400):  # until the stream is under way (bounded: 120 s)
                 if events:
                     break
                 await asyncio.sleep(0.05)
@@ -51,19 +51,19 @@ def test_signal_drains_then_exits_cleanly(sig):
             await asyncio.sleep(0.3)  # the short request is in flight
             proc.send_signal(sig)
             health = 0
-            for _ in range(20):  # while draining, existing connections see 503
-                await asyncio.sleep(0.05)
+            for _ in range(400):  # while draining, existing connections see 503 (a loaded
+                await asyncio.sleep(0.05)  # machine may take seconds to handle the signal)
                 try:
-                    health = (await http.get(f"{base}/health", timeout=2)).status_code
+                    health = (await http.get(f"{base}/health", timeout=10)).status_code
                 except httpx.TransportError:
                     health = -1
                 if health in (503, -1):
                     break
-            await asyncio.wait_for(streaming, 60)
-            return events, await asyncio.wait_for(short, 60), health
+            await asyncio.wait_for(streaming, 180)
+            return events, await asyncio.wait_for(short, 180), health
 
     events, short, health = asyncio.run(scene())
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "Error" not in err.replace("error event", ""), err
     assert short.status_code == 200  # in flight at the signal, finished within the grace

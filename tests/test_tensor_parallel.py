@@ -233,9 +233,9 @@ def test_ctrl_c_stops_engine_and_workers(tmp_path) -> None:
         worker_pid = int(proc.stdout.readline())
         time.sleep(2)
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        proc.wait(timeout=600)  # passes alone in 22 s; a loaded machine (load 4+) is slower
         assert proc.returncode == 0, proc.stderr.read()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline and _alive(worker_pid):
             time.sleep(0.5)
         assert not _alive(worker_pid)

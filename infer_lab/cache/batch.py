@@ -4,7 +4,7 @@
 is the one place that builds it: Chapter 3's :func:`build_paged_batch` (lists in, for teaching and
 tests) and the engine's model runner (a persistent block-table array, on the hot path) both call
 it. The slot formula, ``table[p // block_size] * block_size + p % block_size``, is written once,
-in :func:`slot_mapping`.
+in :func:`~infer_lab.cache.block_pool.slot_mapping`.
 
 Everything here is computed on the host with a handful of numpy vector operations, once per step:
 the attention backends never need to ask the device for a maximum (``max_query_len``,
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from infer_lab.cache.block_pool import slot_mapping
 from infer_lab.utils import cdiv
 
 PAD_BLOCK = -1  # block-table padding in build_paged_batch; never read (context_lens bounds it)
@@ -63,14 +64,6 @@ class PagedBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
-
-
-def slot_mapping(
-    block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int
-) -> np.ndarray:
-    """Cache slot of each token: in row ``rows[i]`` of ``block_tables``, the block that holds
-    position ``positions[i]``, at the offset of that position inside its block."""
-    return block_tables[rows, positions // block_size] * block_size + positions % block_size
 
 
 def flatten_batch(

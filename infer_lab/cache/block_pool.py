@@ -24,16 +24,18 @@ Operations that need several blocks check first and change nothing when they can
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from infer_lab.cache.batch import slot_mapping
-from infer_lab.utils import cdiv, check_positive_int
+from infer_lab.utils import cdiv, check_positive_int, renamed_keyword
 
 SeqId = Hashable
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
+BlockKey = bytes  # SHA-256 of (the previous block's key, this block's tokens): 32 bytes
+NONE_KEY = bytes(32)  # the "previous key" of a prompt's first block
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -44,10 +46,20 @@ def block_key(parent: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
     """The name of a full block: its tokens and, through ``parent``, every token before them.
 
     Two blocks with equal tokens after different prefixes hold different K/V (attention mixed the
-    prefix in), so the key must include the prefix; chaining the previous key's hash does that in
-    constant size.
+    prefix in), so the key must include the prefix; chaining the previous key does that in
+    constant size. The key is a SHA-256 digest over the parent's key (``NONE_KEY`` for the first
+    block) and the token ids as fixed-width little-endian uint32, and the digest is the whole
+    key: two prompts share a cached block only if they share every token up to its end, unless
+    someone finds a SHA-256 collision. (A key of Python's ``hash()`` is unseeded for ints and
+    invertible step by step, so a client can build a block that another tenant's prompt would
+    hit: vLLM's CVE-2025-25183.) The same tokens give the same key in every process, so a key can
+    name a block in another cache tier or another engine.
     """
-    return (0 if parent is None else hash(parent), tuple(tokens))
+    try:
+        data = struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as e:
+        raise ValueError(f"block tokens must be ids in [0, 2**32): {e}") from None
+    return hashlib.sha256((NONE_KEY if parent is None else parent) + data).digest()
 
 
 class BlockPool:
@@ -82,9 +94,10 @@ class BlockPool:
         """Blocks that carry a key (in use or free)."""
         return len(self._cached)
 
-    def can_allocate(self, n: int) -> bool:
-        """True when ``n`` new blocks can be handed out right now."""
-        return n <= len(self._free)
+    @renamed_keyword("n", "num_blocks")
+    def can_allocate(self, num_blocks: int) -> bool:
+        """True when ``num_blocks`` new blocks can be handed out right now."""
+        return num_blocks <= len(self._free)
 
     def free_block_ids(self) -> list[int]:
         """The free queue, in the order blocks will be handed out (for inspection and tests)."""
@@ -103,18 +116,19 @@ class BlockPool:
         return self._cached.get(key)
 
     # ------------------------------------------------------------------ changes
-    def get_new_blocks(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the front of the free queue (each with ref count 1).
+    @renamed_keyword("n", "num_blocks")
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks from the front of the free queue (each with ref count 1).
 
         A taken block that still carried a key is evicted: its contents are about to be
         overwritten. Raises :class:`NoFreeBlocksError`, taking nothing, if fewer are free.
         """
         free = self._free
-        if n > len(free):
-            raise NoFreeBlocksError(f"need {n} KV blocks but only {len(free)} of "
+        if num_blocks > len(free):
+            raise NoFreeBlocksError(f"need {num_blocks} KV blocks but only {len(free)} of "
                                     f"{self.num_blocks} are free")
         out = []
-        for _ in range(n):
+        for _ in range(num_blocks):
             block, _ = free.popitem(last=False)
             key = self._key[block]
             if key is not None:
@@ -180,7 +194,9 @@ class BlockPool:
         return True
 
     def _forget(self, block: int) -> None:
-        del self._cached[self._key[block]]
+        key = self._key[block]
+        assert key is not None, f"block {block} has no name to forget"
+        del self._cached[key]
         self._key[block] = None
 
     def _check_block(self, block: int) -> None:
@@ -338,9 +354,17 @@ class BlockManager:
         partial = self._num_tokens[seq_id] % self.block_size != 0
         return bool(table) and partial and self.pool.ref_count(table[-1]) > 1
 
-    def _require(self, n: int) -> None:
-        if not self.pool.can_allocate(n):
+    def _require(self, num_blocks: int) -> None:
+        if not self.pool.can_allocate(num_blocks):
             raise NoFreeBlocksError(
-                f"need {n} KV blocks but only {self.pool.num_free_blocks} of "
+                f"need {num_blocks} KV blocks but only {self.pool.num_free_blocks} of "
                 f"{self.pool.num_blocks} are free"
             )
+
+
+def slot_mapping(
+    block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
+    """Cache slot of each token: in row ``rows[i]`` of ``block_tables``, the block that holds
+    position ``positions[i]``, at the offset of that position inside its block."""
+    return block_tables[rows, positions // block_size] * block_size + positions % block_size

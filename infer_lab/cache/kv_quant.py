@@ -23,6 +23,7 @@ on the torch path (see :func:`attention_backend_for`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -118,10 +119,13 @@ class Int8PagedKVCache(PagedKVCache):
         shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads)
         self.scales = torch.ones(shape, device=device, dtype=torch.float16)
         self.kv_cache_dtype, self.compute_dtype = "int8", dtype
-        self.k_caches = [Int8Blocks(self.kv[i, 0], self.scales[i, 0], dtype)
-                         for i in range(cfg.num_hidden_layers)]
-        self.v_caches = [Int8Blocks(self.kv[i, 1], self.scales[i, 1], dtype)
-                         for i in range(cfg.num_hidden_layers)]
+        # Int8Blocks index like the tensors they stand for, on the torch attention path that
+        # attention_backend_for picks for this cache: typed as those tensors
+        layers = range(cfg.num_hidden_layers)
+        self.k_caches = cast(list[torch.Tensor],
+                             [Int8Blocks(self.kv[i, 0], self.scales[i, 0], dtype) for i in layers])
+        self.v_caches = cast(list[torch.Tensor],
+                             [Int8Blocks(self.kv[i, 1], self.scales[i, 1], dtype) for i in layers])
 
     @property
     def nbytes(self) -> int:

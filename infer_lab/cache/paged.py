@@ -56,8 +56,9 @@ class PagedKVCache:
         shape = (cfg.num_hidden_layers, 2, num_blocks, block_size,
                  cfg.num_key_value_heads, cfg.head_dim)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        self.k_caches = [self.kv[i, 0] for i in range(cfg.num_hidden_layers)]
-        self.v_caches = [self.kv[i, 1] for i in range(cfg.num_hidden_layers)]
+        self.kv_cache_dtype = "auto"  # what the KV is stored as (make_paged_kv_cache sets it)
+        self.k_caches: list[torch.Tensor] = [self.kv[i, 0] for i in range(cfg.num_hidden_layers)]
+        self.v_caches: list[torch.Tensor] = [self.kv[i, 1] for i in range(cfg.num_hidden_layers)]
 
     @property
     def nbytes(self) -> int:

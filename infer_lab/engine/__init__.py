@@ -1,48 +1,21 @@
 """The engine of Chapter 5: sampling, scheduling (static and continuous), the model runner,
-the step loop and the offline ``LLM`` API. It knows nothing of HTTP (Chapter 6 wraps it)."""
+the step loop and the offline ``LLM`` API. It knows nothing of HTTP (Chapter 6 wraps it).
 
-from infer_lab.engine.config import EngineConfig
-from infer_lab.engine.engine import EngineStats, LLMEngine, StepRecord
-from infer_lab.engine.kv_cache_manager import KVCacheManager
-from infer_lab.engine.llm import LLM
-from infer_lab.engine.model_runner import ModelRunner
-from infer_lab.engine.outputs import (
-    CompletionOutput,
-    RequestMetrics,
-    RequestOutput,
-    TokenLogprobs,
-)
-from infer_lab.engine.sampler import Sampler
-from infer_lab.engine.sampling_params import SamplingParams
-from infer_lab.engine.scheduler import (
-    ContinuousScheduler,
-    Scheduler,
-    SchedulerOutput,
-    StaticScheduler,
-    make_scheduler,
-)
-from infer_lab.engine.sequence import Request, Sequence, SequenceStatus
+Every name is imported on first use (:mod:`infer_lab.lazy`)."""
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "ContinuousScheduler",
-    "EngineConfig",
-    "EngineStats",
-    "KVCacheManager",
-    "LLMEngine",
-    "ModelRunner",
-    "Request",
-    "RequestMetrics",
-    "RequestOutput",
-    "Sampler",
-    "SamplingParams",
-    "Scheduler",
-    "SchedulerOutput",
-    "Sequence",
-    "SequenceStatus",
-    "StaticScheduler",
-    "StepRecord",
-    "TokenLogprobs",
-    "make_scheduler",
-]
+from infer_lab.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    ".config": ("EngineConfig",),
+    ".engine": ("EngineStats", "LLMEngine", "StepRecord"),
+    ".kv_cache_manager": ("KVCacheManager",),
+    ".llm": ("LLM",),
+    ".model_runner": ("ModelRunner",),
+    ".outputs": ("CompletionOutput", "RequestMetrics", "RequestOutput", "TokenLogprobs"),
+    ".sampler": ("Sampler",),
+    ".sampling_params": ("SamplingParams",),
+    ".scheduler": (
+        "ContinuousScheduler", "Scheduler", "SchedulerOutput", "StaticScheduler", "make_scheduler",
+    ),
+    ".sequence": ("Request", "Sequence", "SequenceStatus"),
+})

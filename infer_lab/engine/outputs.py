@@ -10,21 +10,23 @@ MAX_ERROR_LEN = 300  # characters of an exception's text kept in a failed reques
 @dataclass(frozen=True)
 class RequestFailure:
     """Why the engine failed one request alone: the stage (``"sampling"``,
-    ``"log-probabilities"``, ``"its new token"``, ``"its output"``) and the exception's text.
+    ``"log-probabilities"``, ``"its new token"``, ``"its output"``), the exception's type and
+    its text.
 
     A server maps it to a response by its fields, never by parsing the message; ``str()`` is the
     message a person reads, and ``"sampling" in failure`` searches it.
     """
 
     stage: str
+    error_type: str  # the exception's class name: a server maps a few to their own responses
     detail: str
 
     @classmethod
     def from_exception(cls, stage: str, error: BaseException) -> RequestFailure:
-        return cls(stage, f"{type(error).__name__}: {error}"[:MAX_ERROR_LEN])
+        return cls(stage, type(error).__name__, str(error)[:MAX_ERROR_LEN])
 
     def __str__(self) -> str:
-        return f"the engine failed this request ({self.stage}): {self.detail}"
+        return f"the engine failed this request ({self.stage}): {self.error_type}: {self.detail}"
 
     def __contains__(self, text: str) -> bool:
         return text in str(self)

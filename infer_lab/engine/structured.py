@@ -12,6 +12,12 @@ the few it must check at run time — and then fills a bitmask of the vocabulary
   step, applies it to those rows only (unconstrained requests pay nothing), advances matchers.
 - :func:`mask_cache_counts`: what a compiled grammar decided ahead of time (Chapter 11).
 
+A constraint is client input, and a hostile one can cost memory and time: :class:`GrammarLimits`
+bounds its size (bytes, nesting depth, enum values), the bytes of the compile cache, and the CPU
+time the matcher may take for one token (a request over it fails alone); :meth:`prepare` also
+refuses a constraint that accepts no output at all, and a grammar or regex whose matching slows
+down as the output grows (an ambiguous grammar such as ``s ::= s s | "a"``).
+
 Preemption keeps a sequence's generated tokens, so its matcher stays valid across it.
 Speculative decoding is off for constrained requests (the engine checks ``is_constrained``).
 """
@@ -19,13 +25,18 @@ Speculative decoding is off for constrained requests (the engine checks ``is_con
 from __future__ import annotations
 
 import json
+import random
 import re
+import statistics
 import threading
 import time
 import weakref
+import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\]\s*\S+:\d+:\s*")
@@ -34,6 +45,40 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 class StructuredOutputError(ValueError):
     """A constraint that cannot be compiled (the message says what is wrong with it)."""
+
+
+class GrammarLimitError(StructuredOutputError):
+    """A constraint over one of :class:`GrammarLimits` (``reason`` names which one)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class GrammarTooSlowError(StructuredOutputError):
+    """Matching the constraint took more CPU time for one token than the budget allows."""
+
+
+@dataclass
+class GrammarLimits:
+    """What one constraint may cost. The defaults follow OpenAI's limits for strict schemas
+    where it has them (1,000 enum values) and are generous elsewhere.
+
+    - ``max_bytes``: the schema's JSON text, the regex or the grammar; ``max_depth``: nesting of
+      a JSON schema's JSON (objects and arrays; one level of ``properties`` is two);
+      ``max_enum_values``: ``enum`` values in a schema, or ``choice`` strings.
+    - ``cache_bytes``: compiled grammars kept for reuse (least recently used go first).
+    - ``token_seconds``: CPU time the matcher may take to fill one token's mask.
+    - ``probe_tokens``: tokens :meth:`StructuredOutputs.prepare` walks through a grammar or
+      regex to see whether its matching slows down as the output grows.
+    """
+
+    max_bytes: int = 64 * 1024
+    max_depth: int = 64
+    max_enum_values: int = 1000
+    cache_bytes: int = 256 * 1024 * 1024
+    token_seconds: float = 0.05
+    probe_tokens: int = 160
 
 
 @dataclass(frozen=True)
@@ -54,8 +99,16 @@ class StructuredOutputsParams:
     grammar: str | None = None
     whitespace: bool = False
     key: tuple[str, str] = field(init=False, repr=False, compare=False)
+    # set by StructuredOutputs.prepare: the engine then uses this grammar, not a cache lookup
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        try:
+            self._set_key()
+        except RecursionError:
+            raise StructuredOutputError("the JSON schema is nested too deeply") from None
+
+    def _set_key(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise StructuredOutputError("structured_outputs needs exactly one of "
@@ -107,16 +160,21 @@ class StructuredOutputs:
     """Compile, cache and apply constraints for one engine (one tokenizer, one vocabulary).
 
     XGrammar is imported on the first constrained request, so an engine that never sees one
-    never loads it."""
+    never loads it. ``limits`` (a :class:`GrammarLimits`) may be replaced before serving."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int] | set[int]):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int] | set[int],
+                 limits: GrammarLimits | None = None):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_ids = sorted(eos_ids)
+        self.limits = limits or GrammarLimits()
         self.stats = StructuredStats()
         self._compiler: Any = None
-        self._cache: dict[tuple, Any] = {}
+        self._cache: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()  # key -> (grammar, bytes)
+        self._cache_bytes = 0
+        self._vetted: OrderedDict[tuple, None] = OrderedDict()  # keys that passed _vet
         self._lock = threading.Lock()
         self._matchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._too_slow: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ---------------------------------------------------------------- compile (any thread)
     def _xgr(self) -> Any:
@@ -129,41 +187,160 @@ class StructuredOutputs:
                 hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
                 info = xgr.TokenizerInfo.from_huggingface(
                     hf, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                # our cache is the one (bounded in bytes); XGrammar's own would grow forever
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return xgr
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the compiled grammars kept for reuse (at most ``limits.cache_bytes``)."""
+        return self._cache_bytes
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Raise :class:`GrammarLimitError` if ``spec`` is over a limit (cheap: no compile)."""
+        kind, text, _ = spec.key
+        lim = self.limits
+        if len(text.encode("utf-8")) > lim.max_bytes:
+            raise GrammarLimitError(f"the {kind.replace('_', ' ')} constraint is "
+                                    f"{len(text.encode('utf-8'))} bytes; the limit is "
+                                    f"{lim.max_bytes}", "grammar_size")
+        if kind == "choice" and len(spec.choice) > lim.max_enum_values:
+            raise GrammarLimitError(f"choice has {len(spec.choice)} strings; the limit is "
+                                    f"{lim.max_enum_values}", "enum_values")
+        if kind == "json":
+            depth, values = _schema_shape(json.loads(text))
+            if depth > lim.max_depth:
+                raise GrammarLimitError(f"the JSON schema nests {depth} JSON levels; the limit "
+                                        f"is {lim.max_depth}", "schema_depth")
+            if values > lim.max_enum_values:
+                raise GrammarLimitError(f"the JSON schema has {values} enum values; the limit "
+                                        f"is {lim.max_enum_values}", "enum_values")
+
+    def is_prepared(self, spec: StructuredOutputsParams) -> bool:
+        """True when :meth:`prepare` would only look ``spec`` up (compiled and tried before)."""
+        with self._lock:
+            return spec.key in self._vetted and (spec.compiled is not None
+                                                 or spec.key in self._cache)
+
+    def prepare(self, spec: StructuredOutputsParams) -> Any:
+        """Check, compile and try ``spec`` before a request is admitted, and keep the compiled
+        grammar on it (the engine then needs no cache lookup). Raises
+        :class:`StructuredOutputError` for a constraint that cannot compile, accepts no output,
+        or whose matching slows down as the output grows; :class:`GrammarLimitError` beyond
+        :attr:`limits`."""
+        self.check(spec)
+        compiled = self.compile(spec)
+        if spec.key not in self._vetted:
+            self._vet(spec, compiled)
+            with self._lock:
+                self._vetted[spec.key] = None
+                while len(self._vetted) > 4096:
+                    self._vetted.popitem(last=False)
+        object.__setattr__(spec, "compiled", compiled)
+        return compiled
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``spec`` (cached); ``StructuredOutputError`` if it has none."""
-        cached = self._cache.get(spec.key)
-        if cached is not None:
-            return cached
+        if spec.compiled is not None:
+            return spec.compiled
+        with self._lock:
+            cached = self._cache.get(spec.key)
+            if cached is not None:
+                self._cache.move_to_end(spec.key)
+                return cached[0]
         self._xgr()
         start = time.perf_counter()
+        compiled = self._compile(spec)
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.compile_seconds += time.perf_counter() - start
+            self._remember(spec.key, compiled)
+        return compiled
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
         kind, text, whitespace = spec.key
         try:
             if kind == "json":
-                compiled = self._compiler.compile_json_schema(text, any_whitespace=whitespace)
-            elif kind == "json_object":
-                compiled = self._compiler.compile_json_schema(
+                return self._compiler.compile_json_schema(text, any_whitespace=whitespace)
+            if kind == "json_object":
+                return self._compiler.compile_json_schema(
                     '{"type": "object"}', any_whitespace=whitespace)
-            elif kind == "regex":
-                compiled = self._compiler.compile_regex(text)
-            elif kind == "choice":
-                compiled = self._compiler.compile_regex(
+            if kind == "regex":
+                return self._compiler.compile_regex(text)
+            if kind == "choice":
+                return self._compiler.compile_regex(
                     "|".join(f"({_escape_regex(c)})" for c in spec.choice))
-            else:
-                compiled = self._compiler.compile_grammar(text)
+            return self._compiler.compile_grammar(text)
+        except RecursionError:
+            raise StructuredOutputError(f"the {kind} constraint is nested too deeply") from None
         except Exception as e:  # XGrammar raises RuntimeError / ValueError with a message
             lines = str(e).strip().splitlines()
             # XGrammar prefixes "[time] file.cc:line: " to its message: not the client's concern
             detail = _SOURCE_PREFIX.sub("", lines[0]) if lines else type(e).__name__
             raise StructuredOutputError(f"the {kind.replace('_', ' ')} constraint cannot be "
                                         f"compiled: {detail}") from None
-        with self._lock:
-            self.stats.compiles += 1
-            self.stats.compile_seconds += time.perf_counter() - start
-            self._cache[spec.key] = compiled
-        return compiled
+
+    def _remember(self, key: tuple, compiled: Any) -> None:
+        """Cache ``compiled`` (under the lock), evicting the least recently used beyond the
+        byte limit; a grammar larger than the whole limit is used once and not kept."""
+        size = int(getattr(compiled, "memory_size_bytes", 0)) + len(key[1])
+        if key in self._cache or size > self.limits.cache_bytes:
+            return
+        self._cache[key] = (compiled, size)
+        self._cache_bytes += size
+        while self._cache_bytes > self.limits.cache_bytes:
+            _, (_, old) = self._cache.popitem(last=False)
+            self._cache_bytes -= old
+
+    def _vet(self, spec: StructuredOutputsParams, compiled: Any) -> None:
+        """Refuse a constraint that accepts nothing, and (grammars and regexes: the client
+        writes the automaton) one whose mask takes longer to fill as the output grows: walk
+        fresh matchers through allowed tokens and time every fill (CPU time). Three walks repeat
+        their first token while they can (``s ::= s s | "a"``, ``(a*)*b`` slow down on runs),
+        one picks at random. A heuristic: the per-token budget of :meth:`mask_logits` is the
+        bound."""
+        xgr = self._xgr()
+        kind, text, _ = spec.key
+        walks = ("repeat",) * 3 + ("random",) if kind in ("grammar", "regex") else ("first",)
+        rng = random.Random(zlib.crc32(text.encode("utf-8")))
+        spent: list[float] = []
+        firsts: list[int] = []  # the repeating walks start on different tokens
+        for policy in walks:
+            times: list[float] = []
+            matcher, previous = xgr.GrammarMatcher(compiled), None
+            bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+            for _ in range(self.limits.probe_tokens if policy != "first" else 1):
+                start = time.thread_time()
+                matcher.fill_next_token_bitmask(bitmask, 0)
+                times.append(time.thread_time() - start)
+                self._check_growth(kind, times, spent)
+                allowed = _bits(bitmask[0], self.vocab_size)
+                if not allowed and len(times) == 1:
+                    raise StructuredOutputError(f"the {kind} constraint accepts no output")
+                tokens = [t for t in allowed if t not in self.eos_ids]
+                if not tokens or matcher.is_terminated():
+                    break
+                if previous is None and policy == "repeat":
+                    firsts = firsts or rng.sample(tokens, len(tokens))
+                    previous = firsts.pop()
+                elif not (policy == "repeat" and previous in tokens):
+                    previous = rng.choice(tokens)
+                matcher.accept_token(previous)
+            spent += times
+
+    def _check_growth(self, kind: str, times: list[float], spent: list[float]) -> None:
+        budget = self.limits.token_seconds
+        if times[-1] > budget or sum(times) + sum(spent) > 40 * budget:
+            raise GrammarTooSlowError(f"the {kind} constraint takes {times[-1] * 1e3:.0f} ms "
+                                      "to match one token; the limit is "
+                                      f"{budget * 1e3:g} ms")
+        if len(times) >= 24:
+            first, last = statistics.median(times[:8]), statistics.median(times[-8:])
+            if last > max(20 * first, budget / 25):
+                raise GrammarTooSlowError(
+                    f"matching the {kind} constraint slows down as the output grows "
+                    f"({first * 1e3:.2f} ms per token at first, {last * 1e3:.2f} ms after "
+                    f"{len(times)} tokens): is it ambiguous (like s ::= s s | \"a\")?")
 
     # ---------------------------------------------------------------- per sequence (engine)
     def attach(self, seq: Any, spec: StructuredOutputsParams, new_request: bool) -> None:
@@ -178,7 +355,10 @@ class StructuredOutputs:
 
     def mask_logits(self, logits: torch.Tensor, seqs: list[Any]) -> torch.Tensor:
         """``logits`` with every token that breaks a constraint at -inf, in the constrained rows
-        only (a float32 copy); ``logits`` itself when no row is constrained."""
+        only (a float32 copy); ``logits`` itself when no row is constrained.
+
+        A row whose fill takes more than ``limits.token_seconds`` of CPU time is marked: its
+        next :meth:`advance` raises, which fails that request alone."""
         rows = [i for i, s in enumerate(seqs) if s in self._matchers]
         if not rows:
             return logits
@@ -186,9 +366,7 @@ class StructuredOutputs:
         start = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         for j, i in enumerate(rows):
-            matcher = self._matchers[seqs[i]]
-            if not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, j)
+            self._fill(seqs[i], bitmask, j)
         masked = logits.float().clone()
         sub = masked[rows]
         xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device), vocab_size=self.vocab_size)
@@ -198,12 +376,28 @@ class StructuredOutputs:
         self.stats.mask_seconds += time.perf_counter() - start
         return masked
 
+    def _fill(self, seq: Any, bitmask: torch.Tensor, row: int) -> None:
+        matcher = self._matchers[seq]
+        if matcher.is_terminated() or seq in self._too_slow:
+            return
+        start = time.thread_time()
+        matcher.fill_next_token_bitmask(bitmask, row)
+        spent = time.thread_time() - start
+        if spent > self.limits.token_seconds:
+            self._too_slow[seq] = spent
+
     def advance(self, seq: Any, token: int) -> bool:
         """Feed the sampled token to ``seq``'s matcher; True once the grammar is complete (the
-        output is whole and valid). Raises ``ValueError`` if the token breaks the grammar."""
+        output is whole and valid). Raises ``ValueError`` if the token breaks the grammar, and
+        :class:`GrammarTooSlowError` if filling this token's mask went over the budget."""
         matcher = self._matchers.get(seq)
         if matcher is None:
             return False
+        spent = self._too_slow.pop(seq, None)
+        if spent is not None:
+            raise GrammarTooSlowError(f"the output constraint took {spent * 1e3:.0f} ms of CPU "
+                                      "to match one token; the limit is "
+                                      f"{self.limits.token_seconds * 1e3:g} ms")
         if matcher.is_terminated():
             return True
         if not matcher.accept_token(token):
@@ -212,6 +406,7 @@ class StructuredOutputs:
 
     def release(self, seq: Any) -> None:
         self._matchers.pop(seq, None)
+        self._too_slow.pop(seq, None)
 
     # ---------------------------------------------------------------- reading a mask (book, tests)
     def matcher(self, spec: StructuredOutputsParams) -> Any:
@@ -231,6 +426,27 @@ class StructuredOutputs:
         bits = torch.arange(32, dtype=torch.int32)
         kept = (bitmask[0].unsqueeze(1) >> bits) & 1  # int32 words, lowest bit first
         return kept.flatten()[: self.vocab_size].nonzero().flatten().tolist()
+
+
+def _bits(words: torch.Tensor, vocab_size: int) -> list[int]:
+    """The token ids set in one row of an XGrammar bitmask (int32 words, lowest bit first)."""
+    raw = words.numpy().view(np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")[:vocab_size]).tolist()
+
+
+def _schema_shape(schema: Any) -> tuple[int, int]:
+    """(nesting depth, number of ``enum`` values) of a JSON value, without recursion."""
+    depth, values, stack = 0, 0, [(schema, 1)]
+    while stack:
+        node, level = stack.pop()
+        depth = max(depth, level)
+        if isinstance(node, dict):
+            if isinstance(node.get("enum"), list):
+                values += len(node["enum"])
+            stack.extend((v, level + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, level + 1) for v in node if isinstance(v, (dict, list)))
+    return depth, values
 
 
 def mask_cache_counts(compiled: Any) -> list[dict[str, int]]:

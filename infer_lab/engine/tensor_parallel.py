@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from infer_lab import settings
 from infer_lab.cache.paged import PagedAttentionContext, PagedKVCache
 from infer_lab.model.config import ModelConfig
 from infer_lab.model.tensor_parallel import TensorParallelTransformer, check_tp_size, shard_model
@@ -95,7 +96,7 @@ class TensorParallelWorkers:
         # One GPU per rank where there are enough (NCCL); otherwise every rank on rank 0's device
         # over gloo, which also takes CUDA tensors (how the one-GPU machine runs tp 2).
         spread = device.type == "cuda" and torch.cuda.device_count() >= tp
-        backend = backend or os.environ.get("INFER_LAB_TP_BACKEND") or (
+        backend = backend or settings.TP_BACKEND.get() or (
             "nccl" if spread else "gloo")
         worker_device = [f"cuda:{r}" if spread else str(device) for r in range(tp)]
         init = f"tcp://127.0.0.1:{_free_port()}"
@@ -276,7 +277,7 @@ def _worker_main(rank: int, tp: int, init: str, backend: str, device: str, weigh
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops us
     torch.set_num_threads(max(1, torch.get_num_threads() // tp))
     host, port = address.rsplit(":", 1)
-    pipe = Client((host, int(port)), authkey=bytes.fromhex(os.environ["INFER_LAB_TP_AUTHKEY"]))
+    pipe = Client((host, int(port)), authkey=settings.TP_AUTHKEY.get())
     pipe.send(("hello", rank))
     dev = torch.device(device)
     if dev.type == "cuda":

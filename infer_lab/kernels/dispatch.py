@@ -24,10 +24,10 @@ from types import ModuleType
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
-_backend = os.environ.get("INFER_LAB_KERNELS", "auto").strip().lower() or "auto"
-if _backend not in BACKENDS:
-    raise ValueError(f"INFER_LAB_KERNELS={_backend!r}; use one of {BACKENDS}")
+from infer_lab import settings
+
+BACKENDS = settings.KERNEL_BACKENDS
+_backend = settings.KERNELS.get()
 
 
 def set_backend(name: str) -> None:

@@ -304,6 +304,38 @@ def auto_splits(num_seqs: int, kv_heads: int, device: torch.device | None = None
     return 1 if programs >= 2 * num_sms else min(MAX_SPLITS, triton.cdiv(4 * num_sms, programs))
 
 
+def _decode_group(hq: int, hkv: int) -> int:
+    """Query heads per KV head, which the decode kernel packs into one tile of rows."""
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not split into groups over {hkv} KV heads")
+    group = hq // hkv
+    if group > MAX_DECODE_GROUP:
+        raise ValueError(f"decode packs at most {MAX_DECODE_GROUP} query heads per KV head, got "
+                         f"{group}: use paged_prefill_attention_triton")
+    return group
+
+
+def _partitions(num_splits: int | None, min_split_tokens: int | None, num_seqs: int,
+                kv_heads: int, device: torch.device, block_n: int) -> tuple[int, int]:
+    """(partitions per context, the fewest KV tiles one partition takes)."""
+    parts = auto_splits(num_seqs, kv_heads, device) if num_splits is None else num_splits
+    if parts < 1:
+        raise ValueError(f"num_splits must be at least 1, got {parts}")
+    if min_split_tokens is None:
+        min_split_tokens = block_n if interpreting() else 4 * block_n
+    return parts, max(1, triton.cdiv(min_split_tokens, block_n))
+
+
+def _partition_buffers(num_seqs: int, hq: int, parts: int, block_d: int, device: torch.device,
+                       out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each partition's accumulator and (max, sum) for the reduction; unused (``out`` stands
+    in) when the context is not split."""
+    if parts == 1:
+        return out, out
+    return (torch.empty(num_seqs, hq, parts, block_d, dtype=torch.float32, device=device),
+            torch.empty(num_seqs, hq, parts, 2, dtype=torch.float32, device=device))
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float | None = None, window: int | None = None, *,
@@ -326,12 +358,7 @@ def paged_decode_attention_triton(
     _check_cache(k_cache, v_cache)
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads do not split into groups over {hkv} KV heads")
-    group = hq // hkv
-    if group > MAX_DECODE_GROUP:
-        raise ValueError(f"decode packs at most {MAX_DECODE_GROUP} query heads per KV head, got "
-                         f"{group}: use paged_prefill_attention_triton")
+    group = _decode_group(hq, hkv)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     tiles = _tiles("decode", k_cache, d)
     block_n = block_n or tiles.block_n
@@ -348,18 +375,9 @@ def paged_decode_attention_triton(
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    parts = auto_splits(b, hkv, q.device) if num_splits is None else num_splits
-    if parts < 1:
-        raise ValueError(f"num_splits must be at least 1, got {parts}")
-    if min_split_tokens is None:
-        min_split_tokens = block_n if interpreting() else 4 * block_n
-    min_tiles = max(1, triton.cdiv(min_split_tokens, block_n))
+    parts, min_tiles = _partitions(num_splits, min_split_tokens, b, hkv, q.device, block_n)
     split = parts > 1
-    if split:
-        part_acc = torch.empty(b, hq, parts, block_d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(b, hq, parts, 2, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out  # unused
+    part_acc, part_ml = _partition_buffers(b, hq, parts, block_d, q.device, out)
     upcast = interpreting() and k_cache.dtype == torch.bfloat16  # bf16 tl.dot is wrong there
     _decode_kernel[(b, hkv, parts)](
         q, k_cache, v_cache, block_tables, context_lens,

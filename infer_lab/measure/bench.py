@@ -248,30 +248,60 @@ def _cdf(values: Sequence[float]) -> list[float] | None:
     return [round(float(x), 6) for x in np.quantile(values, CDF_LEVELS)]
 
 
-def intervals(pooled: Sequence[RequestResult], seed: int = 0,
-              n_boot: int = stats.N_BOOT) -> dict[str, Any]:
-    """For each metric: samples, how many lie beyond its p99, and a bootstrap CI per percentile.
+def _metric_samples(ok: Sequence[RequestResult], offsets: Sequence[float]) -> dict[str, Any]:
+    """Per metric: the samples (groups for ITL), one time per request, and each sample's slow
+    period (start, duration) on the run's timeline, for intervals and stall events."""
+    rows: dict[str, Any] = {m: {"values": [], "times": [], "starts": [], "spans": []}
+                            for m in stats.METRICS}
+    for r, off in zip(ok, offsets):
+        sent = r.sent + off
+        first, last, per = stats.ttft(r), stats.e2el(r), stats.tpot(r)
+        gaps = stats.itls(r)
+        for m, v, start, span in (("ttft", first, sent, first), ("e2el", last, sent, last),
+                                  ("tpot", per, sent + (first or 0), (last or 0) - (first or 0))):
+            if v is not None:
+                rows[m]["values"].append(v)
+                rows[m]["times"].append(sent)
+                rows[m]["starts"].append(start)
+                rows[m]["spans"].append(span)
+        rows["itl"]["values"].append(gaps)
+        rows["itl"]["times"].append(sent)
+        rows["itl"]["starts"].extend(t + off for t in r.chunk_times[:-1])
+        rows["itl"]["spans"].extend(gaps)
+    return rows
 
-    The bootstrap resamples requests (all of a request's ITL gaps go together) of every repeat
-    pooled; :data:`stats.CI_LEVEL` central interval, seeded.
+
+def intervals(pooled: Sequence[RequestResult], seed: int = 0, n_boot: int = stats.N_BOOT,
+              offsets: Sequence[float] | None = None) -> dict[str, Any]:
+    """For each metric: samples, how many lie beyond its p99, from how many distinct stall
+    events, and two bootstrap intervals per percentile.
+
+    ``ci`` resamples requests (all of a request's ITL gaps go together) and assumes requests
+    are independent; ``ci_block`` resamples stretches of the timeline (send times), so that the
+    requests one stall slowed stay together: the interval to judge a tail by. ``offsets`` (one
+    per request, seconds) place repeats one after another on one timeline. Seeded.
     """
     ok = [r for r in pooled if r.success]
-    per_request: dict[str, Any] = {
-        "ttft": np.array([x for r in ok if (x := stats.ttft(r)) is not None]),
-        "tpot": np.array([x for r in ok if (x := stats.tpot(r)) is not None]),
-        "itl": [stats.itls(r) for r in ok],
-        "e2el": np.array([x for r in ok if (x := stats.e2el(r)) is not None]),
-    }
-    ci, samples, above = {}, {}, {}
-    for m, groups in per_request.items():
-        n = int(sum(len(g) for g in groups)) if m == "itl" else int(len(groups))
-        samples[m] = n
-        above[m] = stats.beyond(n, 99)
+    offs = [o for r, o in zip(pooled, offsets or [0.0] * len(pooled)) if r.success]
+    rows = _metric_samples(ok, offs)
+    ci, ci_block, samples, above, events = {}, {}, {}, {}, {}
+    for m, row in rows.items():
+        groups = row["values"] if m == "itl" else np.array(row["values"])
+        flat = [x for g in groups for x in g] if m == "itl" else list(groups)
+        samples[m] = len(flat)
+        above[m] = stats.beyond(len(flat), 99)
+        events[m] = stats.stall_events(flat, row["starts"], row["spans"]) if flat else 0
         for q, (lo, hi) in stats.bootstrap_ci(groups, seed=seed, n_boot=n_boot).items():
             ci[f"{m}.{q}"] = [_round(lo), _round(hi)]
+        block = (stats.block_bootstrap_ci(groups, row["times"], seed=seed, n_boot=n_boot)
+                 if row["times"] else {})
+        for q, (lo, hi) in block.items():
+            ci_block[f"{m}.{q}"] = [_round(lo), _round(hi)]
     return {"ci": ci, "ci_level": stats.CI_LEVEL, "ci_method": f"percentile bootstrap over "
-            f"requests, {n_boot} resamples, seed {seed}", "samples": samples,
-            "beyond_p99": above}
+            f"requests, {n_boot} resamples, seed {seed}", "ci_block": ci_block,
+            "ci_block_method": f"time-block bootstrap over send times, {stats.N_BLOCKS} blocks, "
+            f"{n_boot} resamples, seed {seed}", "samples": samples, "beyond_p99": above,
+            "stall_events_p99": events}
 
 
 def _round(x: float) -> float:
@@ -279,7 +309,8 @@ def _round(x: float) -> float:
 
 
 def _point(mode: str, load: float, runs: list[dict[str, Any]], warmup_failed: int,
-           pooled: list[RequestResult], seed: int = 0) -> dict[str, Any]:
+           pooled: list[RequestResult], seed: int = 0,
+           offsets: Sequence[float] | None = None) -> dict[str, Any]:
     """One load point: its runs, the median over repeats, their spread, CIs and pooled CDFs."""
     ok = [r for r in pooled if r.success]
     samples = {
@@ -300,7 +331,7 @@ def _point(mode: str, load: float, runs: list[dict[str, Any]], warmup_failed: in
                                and r["summary"]["duration"] >= 1.0), default=None),
         "metrics": {k: v["median"] for k, v in stats.spread(summaries).items()},
         "spread": stats.spread(summaries) if len(runs) > 1 else None,
-        **intervals(pooled, seed),
+        **intervals(pooled, seed, offsets=offsets),
         "send_lag_p99": round(float(np.percentile(lags, 99)), 6) if lags and mode == "open"
         else None,
         "cdf": {"levels": [round(float(q), 4) for q in CDF_LEVELS]}
@@ -374,7 +405,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             bar.set_description(f"{'C' if mode == 'closed' else 'rate'}={load:g}")
             warm_run, measured = run_sync(_run_point(args, endpoint, mode, load, i,
                                                      lambda _r: bar.update(1)))
-            runs, pooled = [], []
+            runs, pooled, offsets, offset = [], [], [], 0.0
             for rep, run in enumerate(measured):
                 summary = stats.summarize(run.results, run.duration, slo)
                 record: dict[str, Any] = {"repeat": rep, "summary": summary.to_dict(),
@@ -383,8 +414,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     record["requests"] = [r.to_dict() for r in run.results]
                 runs.append(record)
                 pooled.extend(run.results)
+                offsets.extend([offset] * len(run.results))  # repeats one after another
+                offset += max((r.end for r in run.results if not math.isnan(r.end)),
+                              default=0.0) + 1.0
             warmup_failed = sum(not r.success for r in warm_run.results) if warm_run else 0
-            points.append(_point(mode, load, runs, warmup_failed, pooled, args.seed))
+            points.append(_point(mode, load, runs, warmup_failed, pooled, args.seed, offsets))
     finally:
         bar.close()
     result = {"meta": meta, "points": points}
@@ -466,8 +500,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def _ci_cell(pt: dict[str, Any], key: str) -> str:
-    """``p99 [lo, hi]`` in ms, from the point's bootstrap interval."""
-    ci = (pt.get("ci") or {}).get(key)
+    """``p99 [lo, hi]`` in ms, from the point's time-block interval (request bootstrap if old)."""
+    ci = (pt.get("ci_block") or pt.get("ci") or {}).get(key)
     value = pt["metrics"].get(key)
     if value is None or not ci or ci[0] is None:
         return "-"
@@ -475,33 +509,48 @@ def _ci_cell(pt: dict[str, Any], key: str) -> str:
 
 
 def ci_table(points: Sequence[dict[str, Any]]) -> list[str]:
-    """p99 of each metric with its confidence interval, and how many samples lie beyond it."""
+    """p99 of each metric with its confidence interval, the samples beyond it, and from how many
+    distinct stall events they come."""
     if not points or "ci" not in points[0]:
         return []
     level = points[0]["ci_level"]
-    head = (f"{'load':>11} |" + "".join(f" {m.upper() + ' p99 ms [CI]':>26} {'>p99':>5} |"
-                                        for m in stats.METRICS))
-    lines = [f"p99 with its {level:.0%} bootstrap interval over requests; >p99: samples beyond "
-             "it", head, "-" * len(head)]
+    kind = "time-block" if "ci_block" in points[0] else "request"
+    head = (f"{'load':>11} |" + "".join(f" {m.upper() + ' p99 ms [CI]':>26} {'>p99':>5} "
+                                        f"{'ev':>3} |" for m in stats.METRICS))
+    lines = [f"p99 with its {level:.0%} {kind} bootstrap interval; >p99: samples beyond it; "
+             "ev: distinct stall events they come from (overlapping slow periods are one)",
+             head, "-" * len(head)]
     for pt in points:
         row = f"{load_label(pt):>11} |"
         for m in stats.METRICS:
-            row += f" {_ci_cell(pt, f'{m}.p99'):>26} {pt['beyond_p99'][m]:>5} |"
+            ev = (pt.get("stall_events_p99") or {}).get(m)
+            row += (f" {_ci_cell(pt, f'{m}.p99'):>26} {pt['beyond_p99'][m]:>5} "
+                    f"{'-' if ev is None else ev:>3} |")
         lines.append(row)
     return lines
 
 
 def tail_warnings(points: Sequence[dict[str, Any]], p: float = 99) -> list[str]:
-    """A warning per load point whose p99 rests on fewer than :data:`stats.MIN_BEYOND` samples."""
+    """A warning per load point whose p99 rests on fewer than :data:`stats.MIN_BEYOND` samples,
+    or on enough samples from fewer than that many distinct stall events."""
     lines = []
     for pt in points:
-        thin = {m: n for m, n in (pt.get("beyond_p99") or {}).items() if n < stats.MIN_BEYOND}
+        beyond = pt.get("beyond_p99") or {}
+        thin = {m: n for m, n in beyond.items() if n < stats.MIN_BEYOND}
         if thin:
             parts = ", ".join(f"{m.upper()} {n}" for m, n in thin.items())
             lines.append(f"WARNING at {load_label(pt)}: p{p:g} rests on fewer than "
                          f"{stats.MIN_BEYOND} samples beyond it ({parts}): it is the largest "
                          f"value or two, not a tail; raise -n to >= "
                          f"{stats.MIN_REQUESTS_FOR_P99}")
+        few = {m: (beyond[m], e) for m, e in (pt.get("stall_events_p99") or {}).items()
+               if m not in thin and m in beyond and e < stats.MIN_BEYOND}
+        if few:
+            parts = ", ".join(f"{m.upper()} {n} samples from {e}" for m, (n, e) in few.items())
+            lines.append(f"WARNING at {load_label(pt)}: p{p:g} rests on fewer than "
+                         f"{stats.MIN_BEYOND} distinct stall events ({parts}): the samples "
+                         "beyond it were slowed together; judge it by its time-block interval, "
+                         "and measure longer or repeat the run for a tail")
     return lines
 
 

@@ -2,9 +2,11 @@
 
 A capacity answer read off point estimates flips with the noise: a p99 that rests on three
 requests can pass at C = 32 and fail at C = 16. So a load *meets* the SLO here only if the
-**upper bound** of its p99's confidence interval does, and a replica's capacity is the highest
-load of the unbroken run of passing loads from the lightest up (a pass above a failure is not
-trusted). Cost then follows from goodput:
+**upper bound** of its p99's confidence interval does (by default the time-block interval, which
+keeps the requests one stall slowed together; an interval over independent requests is too
+narrow when they are not), and a replica's capacity is the highest load of the unbroken run of
+passing loads from the lightest up (a pass above a failure is not trusted). Cost then follows
+from goodput:
 
     $ per million output tokens = $/hour ÷ (goodput tokens/s × 3600) × 10⁶
 
@@ -48,30 +50,39 @@ def cost_per_million_tokens(usd_per_hour: float, tokens_per_s: float) -> float:
     return usd_per_hour / (tokens_per_s * 3600) * 1e6
 
 
-def _value(point: Mapping[str, Any], key: str, bound: str) -> float | None:
+INTERVALS = {"block": "ci_block", "requests": "ci"}  # which stored interval: its key in a point
+
+
+def _value(point: Mapping[str, Any], key: str, bound: str, interval: str) -> float | None:
     """The point estimate, or the CI's upper bound (``bound="upper"``), of ``key`` in seconds."""
     if bound == "upper":
-        ci = (point.get("ci") or {}).get(key)
+        ci = (point.get(INTERVALS[interval]) or {}).get(key)
         if ci is None or ci[1] is None:
-            raise ValueError(f"point at load {point.get('load')} has no interval for {key}: "
-                             "re-run it with a bench that stores intervals")
+            raise ValueError(f"point at load {point.get('load')} has no {interval} interval for "
+                             f"{key}: re-run it with a bench that stores one (or, for a sweep "
+                             "measured before, python -m benchmarks.serve_sweep --reanalyse)")
         return float(ci[1])
     value = point["metrics"].get(key)
     return None if value is None else float(value)
 
 
-def meets(point: Mapping[str, Any], slo_p99: Mapping[str, float], bound: str = "upper") -> bool:
+def meets(point: Mapping[str, Any], slo_p99: Mapping[str, float], bound: str = "upper",
+          interval: str = "block") -> bool:
     """Every ``metric.p99`` (seconds, e.g. ``{"ttft": 0.25}``) within its bound at this point.
 
     ``bound="upper"`` judges the upper end of the p99's confidence interval, ``"point"`` the
-    estimate itself. A point with failed requests never meets an SLO.
+    estimate itself. ``interval``: ``"block"`` (time-block bootstrap, ``ci_block``) or
+    ``"requests"`` (bootstrap over requests, ``ci``). A point with failed requests never meets
+    an SLO.
     """
     if bound not in ("upper", "point"):
         raise ValueError("bound must be 'upper' or 'point'")
+    if interval not in INTERVALS:
+        raise ValueError(f"interval must be one of {', '.join(INTERVALS)}")
     if point["metrics"].get("failed", 0):
         return False
     for metric, limit in slo_p99.items():
-        v = _value(point, f"{metric}.p99", bound)
+        v = _value(point, f"{metric}.p99", bound, interval)
         if v is None or v > limit:
             return False
     return True
@@ -90,7 +101,7 @@ class Capacity:
 
 
 def capacity(points: Sequence[Mapping[str, Any]], slo_p99: Mapping[str, float],
-             target_rps: float, bound: str = "upper") -> Capacity:
+             target_rps: float, bound: str = "upper", interval: str = "block") -> Capacity:
     """Replicas needed for ``target_rps`` at the SLO, from a sweep's points (lightest first).
 
     The per-replica capacity is the throughput of the heaviest load in the unbroken run of
@@ -100,7 +111,7 @@ def capacity(points: Sequence[Mapping[str, Any]], slo_p99: Mapping[str, float],
     if target_rps <= 0:
         raise ValueError("target_rps must be positive")
     order = sorted(range(len(points)), key=lambda i: float(points[i]["load"]))
-    passing = tuple(meets(points[i], slo_p99, bound) for i in order)
+    passing = tuple(meets(points[i], slo_p99, bound, interval) for i in order)
     run = 0
     while run < len(passing) and passing[run]:
         run += 1
@@ -128,7 +139,12 @@ def goodput_tokens(point: Mapping[str, Any]) -> float:
 
 @dataclass(frozen=True)
 class RooflineRate:
-    """What the roofline allows one device: batch, step time, rates; ``fits`` False if not."""
+    """What the roofline allows one device: batch, step time, rates; ``fits`` False if not.
+
+    ``step_s`` is the floor of one steady-state step *with its share of prefills in it*; every
+    running sequence gets one token per step, so it is also the time between a sequence's tokens
+    (its TPOT): ``batch / tokens_per_s == step_s`` and ``step_s <= tpot_bound``.
+    """
 
     gpu: str
     fits: bool
@@ -137,19 +153,52 @@ class RooflineRate:
     requests_per_s: float
     tokens_per_s: float
     limit: str  # what stopped the batch from growing: "memory", "tpot" or "max_batch"
+    prefill_tokens_per_step: float = 0.0  # prompt tokens each step carries on average
+    chunked_prefill: bool = True
+
+
+def steady_step_s(cfg: ModelConfig, gpu: Hardware, batch: int, prompt_len: int,
+                  output_len: int, dtype_bytes: int = 2, chunked_prefill: bool = True) -> float:
+    """The floor of one steady-state step of ``batch`` decoding sequences, prefills counted.
+
+    In steady state ``batch / output_len`` requests finish per step, so as many new prompts must
+    be prefilled per step. With ``chunked_prefill`` they ride in the decode step (as vLLM runs
+    them): one step does both works, at max(bytes ÷ bandwidth, FLOPs ÷ peak) of the sum, so a
+    prefill's arithmetic fills the idle compute of a bandwidth-bound decode. Without, each
+    prefill is a step of its own that every running sequence waits for: the decode step's floor
+    plus the prefills' floors. Decode attends over the mean context ``prompt_len +
+    output_len // 2``; bytes are the least a step must move (each weight once per step).
+    """
+    share = batch / output_len  # prefills per step, on average
+    context = prompt_len + output_len // 2
+    bw, peak = gpu.bandwidth_gbs * 1e9, gpu.tflops_16bit * 1e12
+    d_bytes = step_bytes(cfg, batch, 1, context, dtype_bytes)
+    d_flops = step_flops(cfg, batch, 1, context)
+    # a prompt's own bytes beyond the weights: its embedding rows read, its K/V written
+    p_bytes = prompt_len * (kv_bytes_per_token(cfg, dtype_bytes) + cfg.hidden_size * dtype_bytes)
+    p_flops = step_flops(cfg, 1, prompt_len, 0)
+    if chunked_prefill:
+        return max((d_bytes + share * p_bytes) / bw, (d_flops + share * p_flops) / peak)
+    # a prefill step of its own reads every weight as well as its own bytes
+    prefill = max(step_bytes(cfg, 1, prompt_len, 0, dtype_bytes) / bw, p_flops / peak)
+    return max(d_bytes / bw, d_flops / peak) + share * prefill
 
 
 def roofline_rate(cfg: ModelConfig, gpu: Hardware, prompt_len: int, output_len: int,
                   tpot_bound: float, dtype_bytes: int = 2, memory_fraction: float = 0.9,
-                  max_batch: int = 1024) -> RooflineRate:
+                  max_batch: int = 1024, chunked_prefill: bool = True) -> RooflineRate:
     """The most output tokens/s one ``gpu`` can give this request shape within a TPOT bound.
 
-    A decode step of B sequences takes at least max(bytes ÷ bandwidth, FLOPs ÷ peak) at the mean
-    context ``prompt_len + output_len / 2``; B grows until the step passes ``tpot_bound``, the KV
-    cache of B full sequences no longer fits beside the weights in ``memory_fraction`` of the
-    memory (``gpu.memory_gb`` read as GiB, as the hardware is), or ``max_batch``. Each request
-    then costs its share of ``output_len`` steps plus its prefill at the compute roof. Datasheet
-    peaks: a ceiling, never a prediction.
+    The batch B grows until the steady-state step (:func:`steady_step_s`: B decodes *and* the
+    B ÷ ``output_len`` prefills that keep B running) passes ``tpot_bound``, the KV cache of B
+    full sequences no longer fits beside the weights in ``memory_fraction`` of the memory
+    (``gpu.memory_gb`` read as GiB: the datasheet's figure, an upper bound), or ``max_batch``.
+    Then tokens/s = B ÷ step and requests/s = that ÷ ``output_len``. Datasheet peaks: a
+    ceiling, never a prediction of what real kernels reach.
+
+    Checking the bound on a decode step alone and charging the prefills afterwards breaks it:
+    Llama-3-8B on an A100 at 512 in / 128 out, 25 ms, would run 475 sequences whose tokens come
+    ~110 ms apart once the prefills are counted.
     """
     if prompt_len < 1 or output_len < 1 or tpot_bound <= 0 or not 0 < memory_fraction <= 1:
         raise ValueError("need prompt_len, output_len >= 1, tpot_bound > 0, memory_fraction "
@@ -158,14 +207,13 @@ def roofline_rate(cfg: ModelConfig, gpu: Hardware, prompt_len: int, output_len: 
     free = gpu.memory_gb * 2**30 * memory_fraction - weights
     per_seq = (prompt_len + output_len) * kv_bytes_per_token(cfg, dtype_bytes)
     mem_batch = int(free // per_seq) if free > 0 else 0
-    context = prompt_len + output_len // 2
 
     def step(b: int) -> float:
-        return max(step_bytes(cfg, b, 1, context, dtype_bytes) / (gpu.bandwidth_gbs * 1e9),
-                   step_flops(cfg, b, 1, context) / (gpu.tflops_16bit * 1e12))
+        return steady_step_s(cfg, gpu, b, prompt_len, output_len, dtype_bytes, chunked_prefill)
 
     if mem_batch < 1:
-        return RooflineRate(gpu.name, False, 0, math.nan, 0.0, 0.0, "memory")
+        return RooflineRate(gpu.name, False, 0, math.nan, 0.0, 0.0, "memory",
+                            chunked_prefill=chunked_prefill)
     top = min(mem_batch, max_batch)
     limit = "memory" if mem_batch < max_batch else "max_batch"
     if step(top) <= tpot_bound:
@@ -177,9 +225,8 @@ def roofline_rate(cfg: ModelConfig, gpu: Hardware, prompt_len: int, output_len: 
             lo, hi = (mid, hi) if step(mid) <= tpot_bound else (lo, mid)
         batch = lo
     if batch == 0:
-        return RooflineRate(gpu.name, True, 0, step(1), 0.0, 0.0, "tpot")
+        return RooflineRate(gpu.name, True, 0, step(1), 0.0, 0.0, "tpot",
+                            chunked_prefill=chunked_prefill)
     t = step(batch)
-    prefill = step_flops(cfg, 1, prompt_len, 0) / (gpu.tflops_16bit * 1e12)
-    per_request = output_len * t / batch + prefill
-    return RooflineRate(gpu.name, True, batch, t, 1 / per_request, output_len / per_request,
-                        limit)
+    return RooflineRate(gpu.name, True, batch, t, batch / (t * output_len), batch / t, limit,
+                        batch * prompt_len / output_len, chunked_prefill)

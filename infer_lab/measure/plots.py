@@ -43,13 +43,15 @@ def _ms(point: dict[str, Any], key: str) -> float:
 def ci_yerr(points: list[dict[str, Any]], key: str) -> list[list[float]]:
     """``[below, above]`` distances (ms) from each point's value to its CI bounds, for errorbar.
 
-    Zero where a point has no interval (an old result, or no samples); never negative, so a
-    median over repeats that lies outside the pooled interval still draws.
+    The time-block interval where the point has one (it keeps the requests one stall slowed
+    together), else the interval over requests. Zero where a point has no interval (an old
+    result, or no samples); never negative, so a median over repeats that lies outside the
+    pooled interval still draws.
     """
     below, above = [], []
     for p in points:
         y = _ms(p, key)
-        ci = (p.get("ci") or {}).get(key)
+        ci = (p.get("ci_block") or p.get("ci") or {}).get(key)
         if not ci or ci[0] is None or math.isnan(y):
             below.append(0.0)
             above.append(0.0)
@@ -146,7 +148,8 @@ def plot_vs_load(result: dict[str, Any]) -> Any:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     level = points[0].get("ci_level") if points else None
-    bars = f"bars: {level:.0%} bootstrap CI" if level else "no intervals stored"
+    kind = "time-block bootstrap" if points and "ci_block" in points[0] else "bootstrap"
+    bars = f"bars: {level:.0%} {kind} CI" if level else "no intervals stored"
     if result["meta"]["repeats"] > 1:
         bars += "; wide pale bars: min-max over repeats"
     _title(fig, result, f"TTFT and ITL against load ({bars})")

@@ -17,13 +17,14 @@ A result that is nowhere is ``None``, and the chapter says how to produce it.
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-RESULTS_ENV = "INFER_LAB_RESULTS"
+from infer_lab import settings
+
+RESULTS_ENV = settings.RESULTS.name
 _CACHE: dict[str, dict[str, Any] | None] = {}
 
 
@@ -50,7 +51,7 @@ def find_result(name: str, timeout: float = 10.0) -> dict[str, Any] | None:
     if not name or name.startswith("/") or ".." in Path(name).parts:
         raise ValueError(f"result names are relative, like 'routing' or 'gpu/kernels': {name!r}")
     file = name if name.endswith(".json") else f"{name}.json"
-    where = os.environ.get(RESULTS_ENV, "")
+    where = settings.RESULTS.get()
     key = f"{where}|{Path.cwd()}|{file}"
     if key in _CACHE:  # a URL is fetched once per session
         return _CACHE[key]
@@ -78,13 +79,15 @@ def load_result(name: str, timeout: float = 10.0) -> dict[str, Any] | None:
         print(f"benchmarks/results/{name}.json is not here (set {RESULTS_ENV} to a folder or URL "
               f"that has it, or run `python -m benchmarks.{module}` in the repository)")
         return None
-    runs = data.get("provenance") if isinstance(data.get("provenance"), list) else [data]
+    prov = data.get("provenance")  # one run's dict, or a list of runs' dicts
+    runs = prov if isinstance(prov, list) else [prov if isinstance(prov, dict) else data]
     for meta in runs:  # a result taken in several runs names each one
         machine = meta.get("device_name") or meta.get("device") or "?"
         if meta.get("cpu_threads"):
             machine += f", {meta['cpu_threads']} threads"
         print(f"{name}: {meta.get('device', '?')} ({machine}), commit {meta.get('commit', '?')}, "
-              f"{meta.get('date', '?')}")
+              f"{meta.get('date', '?')}"
+              + (f", load average {meta['load_average']}" if "load_average" in meta else ""))
     if data.get("conditions"):
         print("  " + str(data["conditions"]))
     load = data.get("load_average")

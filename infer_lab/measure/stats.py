@@ -13,9 +13,14 @@ guidellm calls TPOT "ITL"; here ITL is always the per-chunk gap. Percentiles are
 their messages kept, never mixed into latencies and never silently dropped.
 
 A percentile is an estimate, and a p99 from a few hundred requests rests on the two or three
-slowest: :func:`bootstrap_ci` gives each percentile a confidence interval (resampling *requests*,
-so that the gaps of one slow request stay together), and :func:`beyond` says how many samples lie
-past a percentile, the number a reader needs to judge a tail.
+slowest: :func:`beyond` says how many samples lie past a percentile, the number a reader needs to
+judge a tail, and :func:`bootstrap_ci` gives each percentile a confidence interval by resampling
+*requests* (so that the gaps of one slow request stay together). That interval assumes requests
+are independent, and on a server they are not: one stall (a long prefill, a garbage collection,
+another process taking the core) slows every request in flight at once. :func:`stall_events`
+counts how many distinct events the samples beyond a percentile come from (slow periods that
+overlap in time are one event), and :func:`block_bootstrap_ci` resamples blocks of the run's
+timeline instead of requests, so that the requests one stall hit stay together.
 """
 
 from __future__ import annotations
@@ -35,8 +40,12 @@ PERCENTILES = (50, 90, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el")
 # A percentile with fewer than this many samples beyond it is the largest value or two, not a tail.
 MIN_BEYOND = 10
-# The smallest N with MIN_BEYOND samples beyond its p99 (numpy's linear rule): the default N.
+# The default N per load point: a round number above 902, the smallest N with MIN_BEYOND samples
+# beyond its p99 under numpy's linear rule (beyond(902, 99) == 10, beyond(901, 99) == 9).
 MIN_REQUESTS_FOR_P99 = 1000
+# Blocks per resample of the time-block bootstrap unless a block length is given: enough blocks
+# for a bootstrap distribution, each long enough to hold a stall and the requests it hit.
+N_BLOCKS = 20
 CI_LEVEL = 0.95
 N_BOOT = 1000
 
@@ -91,13 +100,67 @@ def beyond(n: int, p: float) -> int:
     """How many of ``n`` sorted samples lie strictly past the ``p``-th percentile (linear rule).
 
     numpy puts the percentile at index ``h = (n - 1)·p/100``; the samples after ``⌊h⌋`` are the
-    ones it rests on: 10 for the p99 of 1000 samples, 3 for 300, 1 for 100, none for fewer.
+    ones it rests on. For the p99: 10 of 1000 samples, 3 of 300, 1 for every n from 2 to 100
+    (the p99 of 100 samples interpolates between the two largest), none for a single sample.
     """
     if n < 1:
         return 0
     if not 0 <= p <= 100:
         raise ValueError(f"a percentile is in [0, 100], not {p}")
     return n - 1 - math.floor((n - 1) * p / 100 + 1e-9)
+
+
+def _flatten(groups: Sequence[Sequence[float]] | np.ndarray) -> list[np.ndarray]:
+    """One array of samples per request, from groups or from a flat one-sample-per-request array."""
+    flat_input = isinstance(groups, np.ndarray) and groups.ndim == 1 or (
+        len(groups) > 0 and np.ndim(groups[0]) == 0)
+    if flat_input:
+        return [np.asarray(groups, dtype=float)[i:i + 1] for i in range(len(groups))]
+    return [np.asarray(g, dtype=float).ravel() for g in groups]
+
+
+def _resampled_percentiles(arrays: list[np.ndarray], draw: Any, n_boot: int,
+                           ps: Sequence[float], level: float) -> dict[str, tuple[float, float]]:
+    """The central ``level`` of the percentiles of ``n_boot`` weighted resamples of ``arrays``.
+
+    ``draw(b)`` returns a ``(b, len(arrays))`` matrix: how often each request appears in each of
+    ``b`` resamples. A resample pools the samples of the requests it drew (with repeats) and
+    takes numpy's linear percentile of them, computed on the sorted samples without expanding.
+    """
+    values = np.concatenate(arrays)
+    owner = np.repeat(np.arange(len(arrays)), [a.size for a in arrays])
+    order = np.argsort(values, kind="stable")
+    values, owner = values[order], owner[order]
+    est = {p: np.empty(n_boot) for p in ps}
+    chunk = max(1, 2_000_000 // values.size)
+    for start in range(0, n_boot, chunk):
+        b = min(chunk, n_boot - start)
+        weights = draw(b)[:, owner]  # how often each sorted sample appears in each resample
+        cum = np.cumsum(weights, axis=1)
+        empty = cum[:, -1] == 0  # a block resample can miss every request: no estimate
+        total = np.maximum(cum[:, -1], 1)
+        for p in ps:
+            # numpy's linear rule on the expanded resample: index h, between ⌊h⌋ and ⌊h⌋+1
+            h = (total - 1) * p / 100
+            k = np.floor(h).astype(np.int64)
+            frac = h - k
+            lo_i = (cum <= k[:, None]).sum(axis=1)
+            hi_i = (cum <= np.minimum(k + 1, total - 1)[:, None]).sum(axis=1)
+            lo_i, hi_i = np.minimum(lo_i, values.size - 1), np.minimum(hi_i, values.size - 1)
+            got = values[lo_i] + frac * (values[hi_i] - values[lo_i])
+            est[p][start:start + b] = np.where(empty, np.nan, got)
+    tail = (1 - level) / 2 * 100
+    out = {}
+    for p in ps:
+        kept = est[p][~np.isnan(est[p])]
+        out[f"p{p:g}"] = ((float(np.percentile(kept, tail)), float(np.percentile(kept, 100 - tail)))
+                          if kept.size else (math.nan, math.nan))
+    return out
+
+
+def _check_level(level: float, n_boot: int) -> None:
+    if not 0 < level < 1 or n_boot < 1:
+        raise ValueError("level must be in (0, 1) and n_boot >= 1")
 
 
 def bootstrap_ci(
@@ -111,42 +174,154 @@ def bootstrap_ci(
     with replacement, pools their samples, and takes numpy's linear percentile; the interval is
     the central ``level`` of those. Returns ``{"p99": (lo, hi), ...}``, NaN where there are no
     samples. Seeded: the same data and seed give the same interval.
+
+    It treats requests as independent. When one stall slows many requests at once they are
+    not, and this interval is too narrow: use :func:`block_bootstrap_ci` there.
     """
-    if not 0 < level < 1 or n_boot < 1:
-        raise ValueError("level must be in (0, 1) and n_boot >= 1")
-    flat_input = isinstance(groups, np.ndarray) and groups.ndim == 1 or (
-        len(groups) > 0 and np.ndim(groups[0]) == 0)
-    arrays = ([np.asarray(groups, dtype=float)[i:i + 1] for i in range(len(groups))]
-              if flat_input else [np.asarray(g, dtype=float).ravel() for g in groups])
-    arrays = [a for a in arrays if a.size]
+    _check_level(level, n_boot)
+    arrays = [a for a in _flatten(groups) if a.size]
     if not arrays:
         return {f"p{p:g}": (math.nan, math.nan) for p in ps}
-    values = np.concatenate(arrays)
-    owner = np.repeat(np.arange(len(arrays)), [a.size for a in arrays])
-    order = np.argsort(values, kind="stable")
-    values, owner = values[order], owner[order]
     rng = np.random.default_rng(seed)
-    est = {p: np.empty(n_boot) for p in ps}
-    chunk = max(1, 2_000_000 // values.size)
-    for start in range(0, n_boot, chunk):
-        b = min(chunk, n_boot - start)
-        picks = rng.integers(0, len(arrays), (b, len(arrays)))
-        counts = np.zeros((b, len(arrays)), dtype=np.int64)
-        np.add.at(counts, (np.arange(b)[:, None], picks), 1)
-        weights = counts[:, owner]  # how often each sorted sample appears in each resample
-        cum = np.cumsum(weights, axis=1)
-        total = cum[:, -1]
-        for p in ps:
-            # numpy's linear rule on the expanded resample: index h, between ⌊h⌋ and ⌊h⌋+1
-            h = (total - 1) * p / 100
-            k = np.floor(h).astype(np.int64)
-            frac = h - k
-            lo_i = (cum <= k[:, None]).sum(axis=1)
-            hi_i = (cum <= np.minimum(k + 1, total - 1)[:, None]).sum(axis=1)
-            est[p][start:start + b] = values[lo_i] + frac * (values[hi_i] - values[lo_i])
-    tail = (1 - level) / 2 * 100
-    return {f"p{p:g}": (float(np.percentile(est[p], tail)),
-                        float(np.percentile(est[p], 100 - tail))) for p in ps}
+    n = len(arrays)
+
+    def draw(b: int) -> np.ndarray:
+        picks = rng.integers(0, n, (b, n)) + n * np.arange(b)[:, None]
+        return np.bincount(picks.ravel(), minlength=b * n).reshape(b, n)
+
+    return _resampled_percentiles(arrays, draw, n_boot, ps, level)
+
+
+def block_bootstrap_ci(
+    groups: Sequence[Sequence[float]] | np.ndarray, times: Sequence[float] | np.ndarray,
+    ps: Sequence[float] = PERCENTILES, block_s: float | None = None, level: float = CI_LEVEL,
+    n_boot: int = N_BOOT, seed: int = 0,
+) -> dict[str, tuple[float, float]]:
+    """Like :func:`bootstrap_ci`, but resampling stretches of the run's timeline, not requests.
+
+    ``times`` holds one time per request of ``groups`` (when it was sent, in seconds). The
+    timeline is read as a circle, and each resample lays ``K`` windows of ``block_s`` seconds at
+    random starts on it (``K · block_s`` = the run's length, so a resample is a run as long as
+    the real one) and pools the requests sent inside them. Requests that one stall slowed were
+    sent close together, so they come in or stay out together, and the interval widens by as
+    much as they were one event and not many independent ones (a circular block bootstrap in
+    continuous time). ``block_s`` must exceed the reach of that dependence: a stall's length
+    plus a request's. Default: the run's length ÷ :data:`N_BLOCKS`.
+    """
+    _check_level(level, n_boot)
+    arrays = _flatten(groups)
+    t = np.asarray(times, dtype=float)
+    if t.shape != (len(arrays),) or not np.isfinite(t).all():
+        raise ValueError("times: one finite send time per request")
+    keep = [i for i, a in enumerate(arrays) if a.size]
+    if not keep:
+        return {f"p{p:g}": (math.nan, math.nan) for p in ps}
+    arrays, t = [arrays[i] for i in keep], t[keep]
+    order = np.argsort(t, kind="stable")
+    arrays, u = [arrays[i] for i in order], t[order] - t[order[0]]
+    n = len(arrays)
+    span = u[-1] * n / (n - 1) if n > 1 and u[-1] > 0 else 1.0  # the circle: one mean gap more
+    if block_s is not None and not block_s > 0:
+        raise ValueError("block_s must be positive")
+    k = max(1, round(span / block_s)) if block_s else N_BLOCKS
+    width = span / k
+    rng = np.random.default_rng(seed)
+
+    def draw(b: int) -> np.ndarray:
+        starts = rng.uniform(0, span, (b, k))
+        ends = starts + width
+        row = (n + 1) * np.repeat(np.arange(b), k)
+        diff = np.zeros(b * (n + 1), dtype=np.int64)
+        # each window [start, end) and, past the circle's end, its wrapped part [0, end - span)
+        for lo_t, hi_t in ((starts, np.minimum(ends, span)), (np.zeros_like(starts),
+                                                               np.maximum(ends - span, 0))):
+            lo = row + np.searchsorted(u, lo_t.ravel(), side="left")
+            hi = row + np.searchsorted(u, hi_t.ravel(), side="left")
+            diff += np.bincount(lo, minlength=diff.size) - np.bincount(hi, minlength=diff.size)
+        return np.cumsum(diff.reshape(b, n + 1)[:, :-1], axis=1)
+
+    return _resampled_percentiles(arrays, draw, n_boot, ps, level)
+
+
+def stall_events(values: Sequence[float] | np.ndarray, starts: Sequence[float] | np.ndarray,
+                 durations: Sequence[float] | np.ndarray | None = None,
+                 p: float = 99) -> int:
+    """How many distinct events the samples beyond the ``p``-th percentile come from.
+
+    The samples beyond are the :func:`beyond` largest (by rank, so ties at the top count).
+    Sample i was slow over ``[starts[i], starts[i] + durations[i]]`` (``durations`` default to
+    the values themselves: a TTFT from its send, an ITL gap from its earlier chunk). Slow periods
+    that overlap in time, directly or through a chain, are one event: requests that waited
+    through the same stall. Ten samples beyond a p99 from one event are one observation of a
+    stall, not ten of a tail.
+    """
+    v = np.asarray(values, dtype=float)
+    s = np.asarray(starts, dtype=float)
+    d = v if durations is None else np.asarray(durations, dtype=float)
+    if not v.shape == s.shape == d.shape or v.ndim != 1:
+        raise ValueError("values, starts and durations: one number per sample each")
+    if v.size == 0:
+        return 0
+    tail = np.argsort(v, kind="stable")[v.size - beyond(v.size, p):]
+    return len(merge_periods(s[tail], s[tail] + d[tail]))
+
+
+def merge_periods(starts: Sequence[float] | np.ndarray,
+                  ends: Sequence[float] | np.ndarray) -> list[tuple[float, float]]:
+    """Time intervals merged where they overlap: the distinct periods they cover.
+
+    Touching is not overlapping: in a closed loop a client's next request starts the instant
+    its last one ends, and two slow requests of one client in a row are two events."""
+    merged: list[list[float]] = []
+    for a, b in sorted(zip(np.asarray(starts, float), np.asarray(ends, float))):
+        if merged and a < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(float(a), float(b)) for a, b in merged]
+
+
+def median_ci(values: Sequence[float] | np.ndarray,
+              level: float = CI_LEVEL) -> tuple[float, float]:
+    """A distribution-free interval for the median of independent repeats (order statistics).
+
+    The median lies below the k-th smallest of n repeats with probability P(Binomial(n, ½) >=
+    k), whatever the distribution: the interval runs from the k-th smallest to the k-th largest
+    for the largest k that keeps at least ``level`` coverage. Six repeats are the fewest with a
+    95% interval (their smallest to their largest, 97%); with fewer there is none (NaN).
+    """
+    v = np.sort(np.asarray(values, dtype=float))
+    n = v.size
+    if not 0 < level < 1:
+        raise ValueError("level must be in (0, 1)")
+    # P(the median is outside [v_k, v_{n-k+1}]) = 2 P(Binomial(n, 1/2) <= k - 1)
+    below = np.cumsum([math.comb(n, i) for i in range(n + 1)]) / 2.0**n
+    ks = [k for k in range(1, n // 2 + 1) if 2 * below[k - 1] <= 1 - level]
+    if not ks:
+        return (math.nan, math.nan)
+    k = max(ks)
+    return (float(v[k - 1]), float(v[n - k]))
+
+
+def closed_loop_send_times(e2el: Sequence[float] | np.ndarray,
+                           concurrency: float) -> np.ndarray:
+    """When each request of a closed loop was sent, rebuilt from the E2ELs in send order.
+
+    ``infer-lab bench`` gives request i to whichever of the C clients is free first, and that
+    client sends it at once. So the first C requests go out at 0 and each later one when the
+    earliest in-flight request ends. For results that kept latencies but not timestamps; the
+    rebuilt times run slightly early (E2EL stops at the last token, not at the stream's end).
+    """
+    import heapq
+
+    if concurrency < 1 or concurrency != int(concurrency):
+        raise ValueError("concurrency must be a whole number, at least 1")
+    free = [0.0] * int(concurrency)  # a sweep's load may come as 8.0
+    sent = np.empty(len(e2el))
+    for i, latency in enumerate(np.asarray(e2el, dtype=float)):
+        sent[i] = heapq.heappop(free)
+        heapq.heappush(free, sent[i] + latency)
+    return sent
 
 
 def percentiles(values: Iterable[float], ps: Sequence[float] = PERCENTILES) -> dict[str, float]:

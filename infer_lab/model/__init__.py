@@ -1,24 +1,13 @@
 """The model: config, the transformer, the safetensors and GGUF loaders, named models, the
-tokenizer, naive generation."""
+tokenizer, naive generation. Every name is imported on first use (:mod:`infer_lab.lazy`)."""
 
-from infer_lab.model.config import ModelConfig, UnsupportedModelError
-from infer_lab.model.generate import GenerationOutput, generate_naive
-from infer_lab.model.gguf import GGUFError
-from infer_lab.model.loader import BUNDLED_MODEL_DIR, CheckpointError, load, load_model
-from infer_lab.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from infer_lab.model.transformer import Transformer
+from infer_lab.lazy import lazy_exports
 
-__all__ = [
-    "BUNDLED_MODEL_DIR",
-    "CheckpointError",
-    "GGUFError",
-    "GenerationOutput",
-    "IncrementalDetokenizer",
-    "ModelConfig",
-    "Tokenizer",
-    "Transformer",
-    "UnsupportedModelError",
-    "generate_naive",
-    "load",
-    "load_model",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    ".config": ("ModelConfig", "UnsupportedModelError"),
+    ".generate": ("GenerationOutput", "generate_naive"),
+    ".gguf": ("GGUFError",),
+    ".loader": ("BUNDLED_MODEL_DIR", "CheckpointError", "load", "load_model"),
+    ".tokenizer": ("IncrementalDetokenizer", "Tokenizer"),
+    ".transformer": ("Transformer",),
+})

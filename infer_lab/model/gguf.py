@@ -1,11 +1,17 @@
-"""Load a llama.cpp GGUF file: its metadata into :class:`ModelConfig`, its tensors into
-:class:`Transformer`, its tokenizer into :class:`Tokenizer`.
+"""llama.cpp's GGUF files: read one (:func:`read_gguf`), then ask it for its :class:`ModelConfig`,
+its :class:`Tokenizer` and its tensors as :class:`~infer_lab.model.checkpoint.Weight`.
 
 A GGUF file is the whole model in one file: hyper-parameters and the tokenizer as key-value
-metadata, the weights as tensors that are usually quantized in llama.cpp's block formats. The file
-is read with ``gguf``, ggml's own reader, and every tensor is dequantized (``gguf.quants``) into
-the dtype asked for: the engine computes in floating point, so a Q4_1 file costs the same memory
-as any fp32 checkpoint once loaded. What that buys is the file, not speed.
+metadata, the weights as tensors that are usually quantized in llama.cpp's block formats. Each
+tensor is dequantized (``gguf.quants``) when it is read, into the dtype asked for: the engine
+computes in floating point, so a Q4_1 file costs the same memory as any fp32 checkpoint once
+loaded. (``quantization="gguf"`` keeps the blocks instead: a Weight's ``blocks``.)
+
+The header is parsed here, not by the ``gguf`` package's reader, so that every count and length
+in it is checked against the bytes that remain before anything is read or allocated: a 200-byte
+file that declares an array of 2^60 numbers, or a million tensors, is refused at once with a
+:class:`GGUFError` naming the field. The ``gguf`` package still supplies the dequantizers and the
+table of tensor types.
 
 Two details of llama.cpp's converter are undone here. It permutes the rows of the query and key
 projections (its RoPE pairs dimension ``2i`` with ``2i + 1``; Hugging Face's, and ours, pairs ``i``
@@ -14,28 +20,35 @@ with ``i + head_dim / 2``), and it stores the tokenizer as lists rather than a `
 
 from __future__ import annotations
 
+import math
 import os
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from infer_lab.device import default_device, resolve_dtype
-from infer_lab.model.config import ModelConfig, UnsupportedModelError
+from infer_lab.model.checkpoint import Errors, Weight
+from infer_lab.model.config import ConfigError, ModelConfig, UnsupportedModelError
 from infer_lab.model.tokenizer import Tokenizer
-from infer_lab.model.transformer import Transformer
 
 __all__ = [
+    "GGUF_CONFIG_KEYS",
     "SUPPORTED_GGUF_ARCHITECTURES",
     "SUPPORTED_TENSOR_TYPES",
     "SUPPORTED_TOKENIZER_MODELS",
     "GGUFError",
+    "GGUFFile",
+    "GGUFTensor",
     "find_gguf",
+    "gguf_target",
     "is_gguf",
-    "load_gguf",
-    "load_gguf_model",
     "load_gguf_tokenizer",
+    "read_gguf",
     "read_gguf_config",
 ]
 
@@ -43,8 +56,10 @@ SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
 _MAGIC = b"GGUF"
+_VERSIONS = (2, 3)
 
-# llama.cpp tensor name (after "blk.N.") -> (our parameter, which slice of a fused one)
+# The one map from llama.cpp's tensor names to ours: ``blk.N.<name>`` per layer, and the global
+# ones. Value: (our parameter, which part of a fused one).
 _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
     "attn_norm": ("input_layernorm", None),
     "ffn_norm": ("post_attention_layernorm", None),
@@ -57,6 +72,24 @@ _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
     "ffn_down": ("mlp.down_proj", None),
 }
 _GLOBAL_TENSORS = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+# llama.cpp permutes these rows for its RoPE; the config field that gives their head count
+_PERMUTED_ROWS = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}
+
+# ModelConfig field -> the GGUF metadata key (after "<architecture>.") it is read from; the
+# first four must be there, the others have defaults
+GGUF_CONFIG_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "max_position_embeddings": "context_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+}
+_REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 # Pre-tokenizer split rules by ``tokenizer.ggml.pre``, as llama.cpp applies them. None of them is
 # needed for "gpt2"-style vocabularies, whose default is GPT-2's own regex.
@@ -108,50 +141,200 @@ def find_gguf(path: str | os.PathLike) -> Path | None:
     return files[0] if files else None
 
 
-# ------------------------------------------------------------------------------------- reading
+def gguf_target(name: str) -> tuple[str, int | None] | None:
+    """Our parameter for GGUF tensor ``name`` and the part of a fused one it is; None if the
+    tensor is not one a Llama model has."""
+    base = name.removesuffix(".weight")
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        local, part = _LAYER_TENSORS[parts[2]]
+        return f"layers.{parts[1]}.{local}.weight", part
+    if base in _GLOBAL_TENSORS and name.endswith(".weight"):
+        return f"{_GLOBAL_TENSORS[base]}.weight", None
+    return None
 
 
-class _File:
-    """A parsed GGUF file: plain-Python metadata and the reader's tensors, by name."""
+# -------------------------------------------------------------------------------- the header
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}  # GGUF value type -> struct format
+_STRING, _ARRAY = 8, 9
+_MIN_VALUE_BYTES = {_STRING: 8, _ARRAY: 12, **{t: struct.calcsize(f) for t, f in _SCALARS.items()}}
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, dims count, one dim, type, offset
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_NESTING = 8  # arrays of arrays of ...
+_DEFAULT_ALIGNMENT = 32
+# ggml types whose bytes are plain numbers (numpy dtype char); every other is a block format
+_PLAIN_TYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4",
+                "I64": "i8"}
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        from gguf import GGUFReader
 
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"no GGUF file at {self.path}")
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != _MAGIC:
-            raise GGUFError(
-                f"{self.path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')"
-            )
+class _Cursor:
+    """Reads a GGUF header front to back; every length is checked against what remains."""
+
+    def __init__(self, data: np.ndarray, path: Path) -> None:
+        self.data, self.path, self.pos, self.order = data, path, 0, "<"
+
+    @property
+    def remaining(self) -> int:
+        return len(self.data) - self.pos
+
+    def fail(self, why: str) -> GGUFError:
+        return GGUFError(f"{self.path} is truncated or corrupt ({len(self.data)} bytes): {why}")
+
+    def take(self, n: int, what: str) -> np.ndarray:
+        if n > self.remaining:
+            raise self.fail(f"{what} needs {n:,} bytes at offset {self.pos:,} but "
+                            f"{self.remaining:,} remain")
+        self.pos += n
+        return self.data[self.pos - n : self.pos]
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        return struct.unpack(self.order + fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def count(self, what: str, each: int) -> int:
+        """A u64 count of items of at least ``each`` bytes, refused if they cannot all fit."""
+        n = self.scalar("Q", what)
+        if n * each > self.remaining:
+            raise self.fail(f"{what} is {n:,}, but {n:,} items of at least {each} bytes cannot "
+                            f"fit in the {self.remaining:,} bytes that remain")
+        return n
+
+    def name(self, what: str) -> str:
+        raw = bytes(self.take(self.count(f"the length of {what}", 1), what))
         try:
-            reader = GGUFReader(self.path)
-        except Exception as e:  # the reader raises bare ValueErrors, struct errors, IndexErrors
-            raise GGUFError(
-                f"{self.path} is truncated or corrupt ({size} bytes): the gguf reader failed "
-                f"with {type(e).__name__}: {e}"
-            ) from e
-        self.reader = reader
-        self.tensors = {t.name: t for t in reader.tensors}
-        for t in reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise GGUFError(
-                    f"{self.path} is truncated: tensor {t.name!r} needs bytes up to {end} but the "
-                    f"file has {size}"
-                )
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{what} is not UTF-8 ({e})") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype], what)
+        if vtype == _STRING:
+            n = self.count(f"the length of {what}", 1)
+            return bytes(self.take(n, what)).decode("utf-8", errors="replace")
+        if vtype == _ARRAY:
+            return self.array(what, depth)
+        raise self.fail(f"{what} has unknown value type {vtype}")
+
+    def array(self, what: str, depth: int) -> Any:
+        """A plain numeric array as a read-only numpy view; strings and arrays as a list."""
+        if depth >= _MAX_NESTING:
+            raise self.fail(f"{what} nests arrays more than {_MAX_NESTING} deep")
+        itype = self.scalar("I", f"the element type of {what}")
+        if itype not in _MIN_VALUE_BYTES:
+            raise self.fail(f"{what} has unknown element type {itype}")
+        n = self.count(f"the length of {what}", _MIN_VALUE_BYTES[itype])
+        if itype in _SCALARS:
+            dtype = np.dtype(self.order + _SCALARS[itype])
+            return self.take(n * dtype.itemsize, what).view(dtype)
+        return [self.value(itype, f"{what}[{i}]", depth + 1) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor as the file stores it: ``shape`` rows first, ``data`` a read-only view of the
+    file (numbers for plain types, bytes of blocks, one row of them per output row, otherwise)."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse a GGUF file's header; its tensors stay on disk (memory-mapped) until read."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != _MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    cur = _Cursor(np.memmap(path, mode="r", dtype=np.uint8), path)
+    cur.pos = 4
+    version = cur.scalar("I", "the version")
+    if version & 0xFFFF == 0:  # written on a big-endian machine
+        cur.pos, cur.order = 4, ">"
+        version = cur.scalar("I", "the version")
+    if version not in _VERSIONS:
+        raise cur.fail(f"GGUF version {version} is not one this reader knows {_VERSIONS}")
+    n_tensors = cur.count("the tensor count", _MIN_TENSOR_INFO_BYTES)
+    n_fields = cur.count("the metadata count", _MIN_KV_BYTES)
+    metadata = _read_metadata(cur, n_fields)
+    infos = [_read_tensor_info(cur) for _ in range(n_tensors)]
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise cur.fail(f"general.alignment is {alignment!r}, not a power of two")
+    start = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, GGUFTensor] = {}
+    for name, dims, raw_type, offset in infos:
+        if name in tensors:
+            raise cur.fail(f"tensor {name!r} appears twice")
+        tensors[name] = _tensor(cur, name, dims, raw_type, start + offset)
+    return GGUFFile(path, metadata, tensors)
+
+
+def _read_metadata(cur: _Cursor, n: int) -> dict[str, Any]:
+    metadata: dict[str, Any] = {}
+    for _ in range(n):
+        key = cur.name("a metadata key")
+        vtype = cur.scalar("I", f"the type of metadata {key!r}")
+        if key in metadata:
+            raise cur.fail(f"metadata {key!r} appears twice")
+        metadata[key] = cur.value(vtype, f"metadata {key!r}")
+    return metadata
+
+
+def _read_tensor_info(cur: _Cursor) -> tuple[str, list[int], int, int]:
+    name = cur.name("a tensor name")
+    n_dims = cur.scalar("I", f"the dimension count of tensor {name!r}")
+    if not 1 <= n_dims <= _MAX_DIMS:
+        raise cur.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS})")
+    dims = [cur.scalar("Q", f"a dimension of tensor {name!r}") for _ in range(n_dims)]
+    raw_type = cur.scalar("I", f"the type of tensor {name!r}")
+    offset = cur.scalar("Q", f"the offset of tensor {name!r}")
+    return name, dims, raw_type, offset
+
+
+def _tensor(cur: _Cursor, name: str, dims: list[int], raw_type: int, start: int) -> GGUFTensor:
+    """A view of one tensor's bytes, checked to lie inside the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        qtype = GGMLQuantizationType(raw_type)
+    except ValueError:
+        raise cur.fail(f"tensor {name!r} has unknown tensor type {raw_type}") from None
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if dims[0] % block:
+        raise cur.fail(f"tensor {name!r}: rows of {dims[0]} are not whole {qtype.name} blocks "
+                       f"of {block}")
+    row_bytes = dims[0] // block * type_size
+    end = start + math.prod(dims[1:]) * row_bytes
+    if end > len(cur.data):
+        raise GGUFError(f"{cur.path} is truncated: tensor {name!r} needs bytes up to {end} but "
+                        f"the file has {len(cur.data)}")
+    shape = tuple(reversed(dims))  # gguf lists the fastest axis first
+    raw = cur.data[start:end]
+    if qtype.name in _PLAIN_TYPES:
+        data = raw.view(np.dtype(cur.order + _PLAIN_TYPES[qtype.name])).reshape(shape)
+    else:
+        data = raw.reshape(*shape[:-1], row_bytes)
+    return GGUFTensor(name, qtype.name, shape, data)
+
+
+# -------------------------------------------------------------------------------- the file
+class GGUFFile:
+    """A parsed GGUF file: its metadata (plain values; numeric arrays as numpy views) and its
+    tensors by name. It is a :class:`~infer_lab.model.checkpoint.Checkpoint`."""
+
+    def __init__(self, path: Path, metadata: dict[str, Any], tensors: dict[str, GGUFTensor]):
+        self.path, self.metadata, self.tensors = path, metadata, tensors
+        self.errors = Errors(path.name, bad=GGUFError, unexpected=UnsupportedModelError,
+                             word="tensor")
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as e:
-            raise GGUFError(f"{self.path}: metadata {key!r} is unreadable ({e})") from e
+        return self.metadata.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -159,20 +342,93 @@ class _File:
             raise GGUFError(f"{self.path} lacks the metadata key {key!r} that a model needs")
         return value
 
-    def string_list(self, key: str) -> list[str] | None:
-        """A string array, decoded leniently (vocabularies hold invalid UTF-8 now and then)."""
-        field = self.reader.fields.get(key)
+    def config(self) -> ModelConfig:
+        """The :class:`ModelConfig` the metadata describes."""
+        return self._config
+
+    @cached_property
+    def _config(self) -> ModelConfig:
+        return _read_config(self)
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer stored in the metadata."""
+        return _read_tokenizer(self)
+
+    def weights(self) -> Iterator[Weight]:
+        """Every tensor, mapped to our parameters; an unsupported tensor type is refused here,
+        before anything is allocated."""
+        for t in self.tensors.values():
+            if t.type_name not in SUPPORTED_TENSOR_TYPES:
+                raise UnsupportedModelError(
+                    f"{self.path.name}: tensor {t.name!r} is of type {t.type_name}, which "
+                    "infer_lab does not load; supported tensor types: "
+                    f"{', '.join(SUPPORTED_TENSOR_TYPES)}")
+            target = gguf_target(t.name)
+            param, part = target if target else (None, None)
+            order = self._row_order(t)
+            yield Weight(t.name, param, part, t.shape, _dequantizer(t, order), self.path.name,
+                         t.type_name, _block_reader(t, order))
+
+    def _row_order(self, t: GGUFTensor) -> Callable[[], np.ndarray] | None:
+        """For the query and key projections, the rows' order back in Hugging Face's layout."""
+        field = _PERMUTED_ROWS.get(t.name.removesuffix(".weight").split(".")[-1])
         if field is None:
             return None
-        return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return lambda: hf_row_order(t.shape[0], getattr(self.config(), field))
 
 
-def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
-    """The :class:`ModelConfig` that a GGUF file's metadata describes."""
-    return _config(_File(path))
+def hf_row_order(rows: int, heads: int) -> np.ndarray:
+    """Row ``i`` of the Hugging Face matrix is row ``order[i]`` of llama.cpp's: it interleaves
+    each head's two rotary halves (pairs ``2i, 2i + 1``), Hugging Face keeps them apart."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def _config(f: _File) -> ModelConfig:
+def _dequantizer(t: GGUFTensor, order: Callable[[], np.ndarray] | None
+                 ) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        if t.type_name in ("F32", "F16"):
+            w = np.asarray(t.data, dtype=np.float32)
+        else:
+            w = dequantize(np.asarray(t.data), GGMLQuantizationType[t.type_name])
+        w = w.reshape(t.shape)
+        w = np.ascontiguousarray(w if order is None else w[order()])
+        return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    return read
+
+
+def _block_reader(t: GGUFTensor, order: Callable[[], np.ndarray] | None
+                  ) -> Callable[[], np.ndarray]:
+    def read() -> np.ndarray:
+        return t.data if order is None else t.data[order()]
+
+    return read
+
+
+# -------------------------------------------------------------------------------- metadata
+def _int(f: GGUFFile, key: str) -> int | None:
+    """Metadata ``key`` as an int (None when absent); a clear error for any other type."""
+    value = f.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GGUFError(f"{f.path.name}: metadata {key!r} is {value!r}, not an integer")
+    return value
+
+
+def _float(f: GGUFFile, key: str) -> float | None:
+    value = f.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GGUFError(f"{f.path.name}: metadata {key!r} is {value!r}, not a number")
+    return float(value)
+
+
+def _read_config(f: GGUFFile) -> ModelConfig:
     arch = f.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -180,162 +436,76 @@ def _config(f: _File) -> ModelConfig:
             f"architecture {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (Llama-shaped models)"
         )
     p = arch + "."
+    if f.get(p + "expert_count"):  # Chapter 12: llama.cpp stores Mixtral as "llama" + experts
+        raise UnsupportedModelError(
+            f"{f.path.name} is a mixture-of-experts GGUF ({f.get(p + 'expert_count')} experts "
+            "per layer); MoE GGUF files are not supported: load the model's Hugging Face "
+            "checkpoint (config.json + safetensors) instead")
     if "rope_freqs.weight" in f.tensors:
         raise UnsupportedModelError(
             f"{f.path.name} carries per-frequency RoPE factors (rope_freqs, Llama 3.1-style "
             "long-context scaling), which the GGUF loader does not read; load the Hugging Face "
             "checkpoint instead"
         )
-    heads = int(f.require(p + "attention.head_count"))
-    hidden = int(f.require(p + "embedding_length"))
-    tokens = f.reader.fields.get("tokenizer.ggml.tokens")
-    vocab = f.get(p + "vocab_size") or (len(tokens.data) if tokens is not None else None)
-    if vocab is None and "token_embd.weight" in f.tensors:
-        vocab = int(f.tensors["token_embd.weight"].shape[1])
-    raw: dict[str, Any] = dict(
+    raw: dict[str, Any] = {}
+    for field, key in GGUF_CONFIG_KEYS.items():
+        value = (_float if field in ("rms_norm_eps", "rope_theta") else _int)(f, p + key)
+        if field in _REQUIRED_FIELDS:
+            raw[field] = f.require(p + key) if value is None else value
+        elif value:  # absent (or 0): the default
+            raw[field] = value
+    raw.setdefault("vocab_size", _vocab_size(f))
+    raw.setdefault("max_position_embeddings", 2048)
+    raw.setdefault("rms_norm_eps", 1e-5)
+    raw.setdefault("rope_theta", 10000.0)
+    raw.update(
         model_type="llama",
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(f.require(p + "feed_forward_length")),
-        num_hidden_layers=int(f.require(p + "block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(f.get(p + "attention.head_count_kv") or heads),
-        head_dim=int(f.get(p + "attention.key_length") or hidden // heads),
-        max_position_embeddings=int(f.get(p + "context_length") or 2048),
-        rms_norm_eps=float(f.get(p + "attention.layer_norm_rms_epsilon") or 1e-5),
-        rope_theta=float(f.get(p + "rope.freq_base") or 10000.0),
         tie_word_embeddings="output.weight" not in f.tensors,
-        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
+        bos_token_id=_int(f, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_int(f, "tokenizer.ggml.eos_token_id"),
+        rope_scaling=_rope_scaling(f, p),
     )
-    scaling = f.get(p + "rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise UnsupportedModelError(
-                f"{f.path.name}: unsupported RoPE scaling {scaling!r} (supported: none, linear)"
-            )
-        raw["rope_scaling"] = dict(
-            rope_type="linear", factor=float(f.require(p + "rope.scaling.factor"))
-        )
-    rope_dims = f.get(p + "rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != raw["head_dim"]:
+    try:
+        cfg = ModelConfig.from_dict(raw)
+    except ConfigError as e:
+        key = GGUF_CONFIG_KEYS.get(e.field)
+        raise GGUFError(f"{f.path.name}: metadata {p + key if key else e.field!r}: {e}") from e
+    rope_dims = _int(f, p + "rope.dimension_count")
+    if rope_dims is not None and rope_dims != cfg.head_dim:
         raise UnsupportedModelError(
-            f"{f.path.name}: partial RoPE ({rope_dims} of {raw['head_dim']} dimensions) is not "
+            f"{f.path.name}: partial RoPE ({rope_dims} of {cfg.head_dim} dimensions) is not "
             "supported"
         )
-    return ModelConfig.from_dict(raw)
+    return cfg
 
 
-# ------------------------------------------------------------------------------------- weights
+def _vocab_size(f: GGUFFile) -> int | None:
+    tokens = f.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens)
+    if "token_embd.weight" in f.tensors:
+        return f.tensors["token_embd.weight"].shape[0]
+    return None
 
 
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row order (interleaved rotary pairs) back to Hugging Face's halves."""
-    rows = w.shape[0]
-    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _dequantize(f: _File, tensor: Any) -> np.ndarray:
-    """The tensor as float32 numpy, rows first (out_features, in_features)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    if qtype.name not in SUPPORTED_TENSOR_TYPES:
+def _rope_scaling(f: GGUFFile, p: str) -> dict[str, Any] | None:
+    """RoPE scaling: none, or linear with its factor."""
+    scaling = f.get(p + "rope.scaling.type")
+    if scaling in (None, "none"):
+        return None
+    if scaling != "linear":
         raise UnsupportedModelError(
-            f"{f.path.name}: tensor {tensor.name!r} is of type {qtype.name}, which infer_lab does "
-            f"not load; supported tensor types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+            f"{f.path.name}: unsupported RoPE scaling {scaling!r} (supported: none, linear)"
         )
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # gguf lists the fastest axis first
-    if qtype.name in ("F32", "F16"):
-        out = np.asarray(tensor.data, dtype=np.float32)
-    else:
-        out = dequantize(np.asarray(tensor.data), qtype)
-    return out.reshape(shape)
+    factor = _float(f, p + "rope.scaling.factor")
+    return dict(rope_type="linear", factor=f.require(p + "rope.scaling.factor") if factor is None
+                else factor)
 
 
-def load_gguf_model(
-    path: str | os.PathLike,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | str | None = None,
-) -> Transformer:
-    """Build the model a GGUF file describes and fill it with its dequantized tensors."""
-    return _load_model(_File(path), device, dtype)
-
-
-@torch.no_grad()
-def _load_model(
-    f: _File, device: torch.device | str | None, dtype: torch.dtype | str | None
-) -> Transformer:
-    cfg = _config(f)
-    device = torch.device(device) if device is not None else default_device()
-    dtype = resolve_dtype(dtype, device)
-    model = Transformer.empty(cfg, device, dtype)
-    params = dict(model.named_parameters())
-    filled: dict[str, int] = {}
-    unexpected: list[str] = []
-    splits = {
-        "self_attn.qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
-        "mlp.gate_up_proj": [cfg.intermediate_size] * 2,
-    }
-    for name, tensor in f.tensors.items():
-        base = name.removesuffix(".weight")
-        parts = base.split(".")
-        index: int | None = None
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-            local, index = _LAYER_TENSORS[parts[2]]
-            ours = f"layers.{parts[1]}.{local}"
-        elif base in _GLOBAL_TENSORS:
-            ours, local = _GLOBAL_TENSORS[base], ""
-        else:
-            unexpected.append(name)
-            continue
-        if ours == "lm_head" and cfg.tie_word_embeddings:
-            continue
-        param = params.get(ours + ".weight")
-        if param is None:
-            unexpected.append(name)
-            continue
-        dest = param
-        if index is not None:
-            sizes = splits[local]
-            dest = param[sum(sizes[:index]) : sum(sizes[: index + 1])]
-        w = _dequantize(f, tensor)
-        if w.shape != tuple(dest.shape):
-            raise GGUFError(
-                f"{f.path.name}: tensor {name!r} has shape {w.shape} but the metadata (hidden "
-                f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.num_key_value_heads} "
-                f"kv heads, head_dim {cfg.head_dim}) implies {tuple(dest.shape)}"
-            )
-        if parts[-1] == "attn_q":
-            w = _unpermute(w, cfg.num_attention_heads)
-        elif parts[-1] == "attn_k":
-            w = _unpermute(w, cfg.num_key_value_heads)
-        w = np.ascontiguousarray(w)
-        dest.copy_(torch.from_numpy(w if w.flags.writeable else w.copy()))
-        key = ours + ".weight"
-        filled[key] = filled.get(key, 0) + dest.numel()
-    if unexpected:
-        raise UnsupportedModelError(
-            f"{f.path.name} has tensors this llama model does not use: {unexpected[:8]}"
-        )
-    missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
-    if missing:
-        raise GGUFError(f"{f.path.name} is missing tensors for: {missing[:8]}")
-    return model.eval().requires_grad_(False)
-
-
-# ----------------------------------------------------------------------------------- tokenizer
-
-
-def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer stored in a GGUF file's metadata, as a :class:`Tokenizer`."""
-    return _tokenizer(_File(path))
-
-
-def _tokenizer(f: _File) -> Tokenizer:
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+# ------------------------------------------------------------------------------- tokenizer
+def _read_tokenizer(f: GGUFFile) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
+    from tokenizers import models
 
     kind = f.get("tokenizer.ggml.model")
     if kind not in SUPPORTED_TOKENIZER_MODELS:
@@ -349,13 +519,12 @@ def _tokenizer(f: _File) -> Tokenizer:
             f"{f.path.name}: unsupported GGUF tokenizer model {kind!r}; supported: "
             f"{', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE){extra}"
         )
-    tokens = f.string_list("tokenizer.ggml.tokens")
-    merges = f.string_list("tokenizer.ggml.merges")
+    tokens = _string_list(f, "tokenizer.ggml.tokens")
+    merges = _string_list(f, "tokenizer.ggml.merges")
     if not tokens:
         raise GGUFError(f"{f.path.name} has no tokenizer.ggml.tokens")
     if merges is None:
         raise GGUFError(f"{f.path.name}: a gpt2 tokenizer needs tokenizer.ggml.merges")
-    types = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     pairs = []
     for m in merges:
@@ -363,7 +532,30 @@ def _tokenizer(f: _File) -> Tokenizer:
         if not sep:
             raise GGUFError(f"{f.path.name}: malformed merge {m!r}")
         pairs.append((a, b))
-    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    try:
+        backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                     byte_fallback=False))
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise GGUFError(f"{f.path.name}: its vocabulary and merges do not agree ({e})") from e
+    _set_pre_tokenizer(f, backend)
+    _add_special_tokens(f, backend, tokens)
+    template = f.get("tokenizer.chat_template")
+    return Tokenizer(backend, _tokenizer_config(f, tokens), None,
+                     template if isinstance(template, str) else None)
+
+
+def _string_list(f: GGUFFile, key: str) -> list[str] | None:
+    value = f.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise GGUFError(f"{f.path.name}: metadata {key!r} is not an array of strings")
+    return value
+
+
+def _set_pre_tokenizer(f: GGUFFile, backend: Any) -> None:
+    from tokenizers import Regex, decoders, pre_tokenizers
+
     pre = f.get("tokenizer.ggml.pre") or "default"
     if pre in _PRE_SPLITS:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
@@ -383,6 +575,13 @@ def _tokenizer(f: _File) -> Tokenizer:
             f"{', '.join(sorted([*_PRE_SPLITS, *_DIGIT_SPLIT_PRES, *_GPT2_PRES]))}"
         )
     backend.decoder = decoders.ByteLevel()
+
+
+def _add_special_tokens(f: GGUFFile, backend: Any, tokens: list[str]) -> None:
+    from tokenizers import AddedToken
+
+    types = f.get("tokenizer.ggml.token_type")
+    types = [1] * len(tokens) if types is None else list(types)
     control = [t for t, k in zip(tokens, types) if k == _CONTROL]
     user = [t for t, k in zip(tokens, types) if k == _USER_DEFINED]
     if control:
@@ -390,24 +589,29 @@ def _tokenizer(f: _File) -> Tokenizer:
     if user:
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
+
+def _tokenizer_config(f: GGUFFile, tokens: list[str]) -> dict[str, Any]:
     config: dict[str, Any] = {}
     for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
                       ("pad_token", "padding")):
-        token_id = f.get(f"tokenizer.ggml.{key}_token_id")
-        if token_id is not None and 0 <= int(token_id) < len(tokens):
-            config[name] = tokens[int(token_id)]
-    config["add_bos_token"] = bool(f.get("tokenizer.ggml.add_bos_token", False))
-    config["add_eos_token"] = bool(f.get("tokenizer.ggml.add_eos_token", False))
-    template = f.get("tokenizer.chat_template")
-    return Tokenizer(backend, config, None, template if isinstance(template, str) else None)
+        token_id = _int(f, f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            config[name] = tokens[token_id]
+    for flag in ("add_bos_token", "add_eos_token"):
+        value = f.get(f"tokenizer.ggml.{flag}", False)
+        if not isinstance(value, (bool, int)):
+            raise GGUFError(f"{f.path.name}: metadata 'tokenizer.ggml.{flag}' is {value!r}, "
+                            "not a boolean")
+        config[flag] = bool(value)
+    return config
 
 
-def load_gguf(
-    path: str | os.PathLike,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | str | None = None,
-) -> tuple[Transformer, Tokenizer]:
-    """``(model, tokenizer)`` from one GGUF file, parsed once."""
-    f = _File(path)
-    tokenizer = _tokenizer(f)  # first: a bad tokenizer fails before seconds of dequantizing
-    return _load_model(f, device, dtype), tokenizer
+# ------------------------------------------------------------------------ one-call helpers
+def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """The :class:`ModelConfig` that a GGUF file's metadata describes."""
+    return read_gguf(path).config()
+
+
+def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer stored in a GGUF file's metadata, as a :class:`Tokenizer`."""
+    return read_gguf(path).tokenizer()

@@ -1,42 +1,153 @@
-"""Load a checkpoint into :class:`Transformer`: a Hugging Face directory (safetensors only), a
-GGUF file (see :mod:`infer_lab.model.gguf`) or a named model (see :mod:`infer_lab.model.registry`).
+"""Load a model: the one pipeline every way in goes through (``il.load``, ``il.LLM``, the server).
 
-Weights are read tensor by tensor straight into a model allocated on the target device, so a
-checkpoint is never held twice in memory; the checkpoint's separate q/k/v and gate/up tensors are
-spliced into the model's fused matrices. Pickled ``.bin`` files are refused: loading them would
-run arbitrary code.
+1. **Read the checkpoint**: :func:`resolve_model_path` turns the name into a path (the bundled
+   model, a directory, a ``.gguf`` file, a named model fetched once, or a hub id), and
+   :func:`open_checkpoint` opens it as a Hugging Face directory
+   (:mod:`infer_lab.model.hf_checkpoint`) or a GGUF file (:mod:`infer_lab.model.gguf`): a config,
+   a tokenizer, and the tensors as :class:`~infer_lab.model.checkpoint.Weight`.
+2. **Build the model**: the tensors are checked against the config before anything is allocated,
+   then read one by one straight into a model allocated on the target device, so a checkpoint is
+   never held twice in memory (:mod:`infer_lab.model.checkpoint`).
+3. **Transform it** if asked: ``quantization="int8"``/``"int4"`` quantizes the built model,
+   ``"gguf"`` puts a GGUF file's own blocks in place of the matrices, which are then never
+   dequantized (:mod:`infer_lab.model.quantize`).
+
+Each step is a module that knows nothing of the others; only this one calls them in order.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
+import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from infer_lab.device import default_device, resolve_dtype
 from infer_lab.model import registry
+from infer_lab.model.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    Weight,
+    allocate,
+    fill,
+    plan_fill,
+)
 from infer_lab.model.config import ModelConfig
-from infer_lab.model.gguf import find_gguf, load_gguf
+from infer_lab.model.gguf import GGUFFile, find_gguf, read_gguf
+from infer_lab.model.hf_checkpoint import HFCheckpoint
+from infer_lab.model.quantize import (
+    INT4_DEFAULT_GROUP,
+    QuantizationError,
+    check_quantization_name,
+    keep_gguf_blocks,
+    quantize_model,
+)
 from infer_lab.model.tokenizer import Tokenizer
 from infer_lab.model.transformer import Transformer
 
+__all__ = [
+    "BUNDLED_MODEL_DIR", "CheckpointError", "load", "load_model", "open_checkpoint",
+    "random_named_model", "resolve_model_path",
+]
+
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-kjv"
+# Other models shipped in the package, by name (Chapter 12: a small trained mixture of experts).
+BUNDLED_MODELS = {"tiny-moe": BUNDLED_MODEL_DIR.parent / "tiny-moe"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# checkpoint projection name -> (fused parameter, index of its slice)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-class CheckpointError(ValueError):
-    """The checkpoint's files are unreadable or do not match its config."""
+def load(
+    model: str | os.PathLike | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    quantization: str | None = None,
+    group_size: int = INT4_DEFAULT_GROUP,
+) -> tuple[Transformer, Tokenizer]:
+    """Load a model and its tokenizer: the bundled model by default, else a directory, a ``.gguf``
+    file (or a directory holding one), a named model such as ``"smollm2-135m-instruct"``, or a hub
+    id. ``quantization``: ``"int8"``, ``"int4"`` (in groups of ``group_size``) or ``"gguf"`` (a
+    GGUF file's blocks kept as they are); see :mod:`infer_lab.model.quantize`."""
+    check_quantization_name(quantization)  # before seconds of reading
+    path = resolve_model_path(model)
+    if is_random_stand_in(path):
+        if quantization == "gguf":
+            raise QuantizationError(f"quantization='gguf' needs the real {path} file; the random "
+                                    "stand-in has no GGUF blocks (use int4 or int8)")
+        built, tokenizer = random_named_model(str(path), device, dtype)
+    else:
+        checkpoint = open_checkpoint(path)
+        keep_blocks = quantization == "gguf"
+        if keep_blocks and not isinstance(checkpoint, GGUFFile):
+            raise QuantizationError(f"quantization='gguf' keeps a GGUF file's blocks, and {path} "
+                                    "is a safetensors checkpoint; use 'int8' or 'int4'")
+        checkpoint.config()  # the config and the tokenizer first: each fails in a moment
+        tokenizer = checkpoint.tokenizer()
+        weights = list(checkpoint.weights())
+        built = build_model(checkpoint, weights, device, dtype, leave_matrices=keep_blocks)
+        if keep_blocks:
+            return keep_gguf_blocks(built, weights), tokenizer
+    if quantization is not None:
+        built = quantize_model(built, quantization, group_size)
+    return built, tokenizer
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint at ``path``: a directory with a ``config.json`` (safetensors), else the
+    ``.gguf`` file it is or holds."""
+    if not (path / "config.json").is_file():
+        gguf_file = find_gguf(path)
+        if gguf_file is not None:
+            return read_gguf(gguf_file)
+    return HFCheckpoint(path)
+
+
+@torch.no_grad()
+def build_model(
+    checkpoint: Checkpoint,
+    weights: list[Weight],
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    leave_matrices: bool = False,
+) -> Transformer:
+    """The model ``checkpoint`` describes, filled from ``weights``, every tensor checked against
+    the config before anything is allocated. ``leave_matrices``: fill only the vectors (norms,
+    biases), for a transform that puts its own matrices in place."""
+    cfg = checkpoint.config()
+    copies = plan_fill(cfg, weights, checkpoint.errors)
+    if leave_matrices:
+        copies = [c for c in copies if len(c.weight.shape) != 2]
+    device = torch.device(device) if device is not None else default_device()
+    model = allocate(cfg, device, resolve_dtype(dtype, device), checkpoint.errors)
+    fill(model, copies)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    path: str | os.PathLike,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> Transformer:
+    """The model of the checkpoint at ``path`` (a directory or a ``.gguf`` file), no tokenizer."""
+    checkpoint = open_checkpoint(Path(path))
+    return build_model(checkpoint, list(checkpoint.weights()), device, dtype)
+
+
+def is_random_stand_in(path: Path) -> bool:
+    """True for a named model whose random stand-in was asked for (no file behind it)."""
+    return str(path) in registry.NAMED_MODELS and not path.exists()
+
+
+def _named_path(name: str) -> Path | None:
+    """The path of a bundled or named model called ``name``; None if there is none by that name."""
+    if name == BUNDLED_MODEL_DIR.name:
+        return resolve_model_path(None)
+    if name in BUNDLED_MODELS:
+        return BUNDLED_MODELS[name]
+    if name in registry.NAMED_MODELS:
+        return Path(name) if registry.random_requested(name) else registry.fetch(name)
+    return None
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
@@ -54,12 +165,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
             "pass a checkpoint directory or hub id to load()"
         )
     path = Path(model).expanduser()
-    if str(model) == BUNDLED_MODEL_DIR.name and not path.exists():
-        return resolve_model_path(None)
-    if str(model) in registry.NAMED_MODELS and not path.exists():
-        if registry.random_requested(str(model)):
-            return Path(str(model))
-        return registry.fetch(str(model))
+    if not path.exists() and (named := _named_path(str(model))) is not None:
+        return named
     if path.is_dir():
         return path
     if path.is_file():
@@ -70,7 +177,7 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         )
     if _HUB_ID.match(str(model)):
         return _download(str(model))
-    named = ", ".join(registry.NAMED_MODELS)
+    named = ", ".join([BUNDLED_MODEL_DIR.name, *BUNDLED_MODELS, *registry.NAMED_MODELS])
     raise FileNotFoundError(
         f"model {str(model)!r} is not a directory, a .gguf file or a named model ({named})"
     )
@@ -92,150 +199,6 @@ def _download(repo_id: str) -> Path:
     return Path(local)
 
 
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: single file, sharded with an index, or a glob."""
-    single = path / "model.safetensors"
-    index = path / "model.safetensors.index.json"
-    if single.is_file():
-        return [single]
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index} names shards that are missing: {missing}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        return files
-    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-        raise CheckpointError(
-            f"{path} holds only pickled weights (.bin/.pt); infer_lab loads safetensors only, "
-            "since unpickling can run arbitrary code. Convert the checkpoint to safetensors."
-        )
-    raise FileNotFoundError(f"no model.safetensors (or shards) in {path}")
-
-
-def check_safetensors(file: Path) -> None:
-    """Raise if ``file`` is shorter than its own header says (an interrupted download)."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{file} is truncated or not a safetensors file ({size} bytes)")
-        (header_len,) = struct.unpack("<Q", head)
-        if 8 + header_len > size:
-            raise CheckpointError(
-                f"{file} is truncated: its header claims {header_len} bytes but the file has "
-                f"{size} bytes in all"
-            )
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{file} is corrupt: its header is not valid JSON ({e})") from e
-    data_end = max(
-        (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
-    )
-    if 8 + header_len + data_end > size:
-        raise CheckpointError(
-            f"{file} is truncated: its tensors need {8 + header_len + data_end} bytes but the "
-            f"file has only {size}"
-        )
-
-
-def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int]:
-    """Map a checkpoint tensor name to (our parameter, row offset, row count); count 0 = whole."""
-    ours = name.removeprefix("model.")
-    parts = ours.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED:
-        fused, idx = _FUSED[parts[-2]]
-        parts[-2] = fused
-        sizes = (
-            [cfg.q_size, cfg.kv_size, cfg.kv_size]
-            if fused == "qkv_proj"
-            else [cfg.intermediate_size] * 2
-        )
-        return ".".join(parts), sum(sizes[:idx]), sizes[idx]
-    return ours, 0, 0
-
-
-@torch.no_grad()
-def load_model(
-    path: str | os.PathLike,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | str | None = None,
-) -> Transformer:
-    """Build the model described by ``path/config.json`` and fill it from its safetensors."""
-    path = Path(path)
-    cfg = ModelConfig.from_file(path)
-    device = torch.device(device) if device is not None else default_device()
-    dtype = resolve_dtype(dtype, device)
-    files = weight_files(path)
-    for file in files:
-        check_safetensors(file)
-
-    model = Transformer.empty(cfg, device, dtype)
-    params = dict(model.named_parameters())
-    filled: dict[str, int] = {}
-    unexpected: list[str] = []
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if _IGNORED.search(name):
-                    continue
-                ours, offset, rows = _target(name, cfg)
-                if ours == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue  # tied: the embedding matrix is the head
-                param = params.get(ours)
-                if param is None:
-                    unexpected.append(name)
-                    continue
-                dest = param[offset : offset + rows] if rows else param
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(dest.shape):
-                    raise CheckpointError(
-                        f"weight {name!r} in {file.name} has shape {shape} but the config "
-                        f"({cfg.model_type}, hidden {cfg.hidden_size}, {cfg.num_attention_heads} "
-                        f"heads, {cfg.num_key_value_heads} kv heads, head_dim {cfg.head_dim}) "
-                        f"implies {tuple(dest.shape)}"
-                    )
-                dest.copy_(f.get_tensor(name))
-                filled[ours] = filled.get(ours, 0) + dest.numel()
-    if unexpected:
-        raise CheckpointError(
-            f"{path} has weights this {cfg.model_type} config does not use: {unexpected[:8]}"
-        )
-    missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
-    if missing:
-        raise CheckpointError(f"{path} is missing weights: {missing[:8]}")
-    return model.eval().requires_grad_(False)
-
-
-def load(
-    model: str | os.PathLike | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | str | None = None,
-    quantization: str | None = None,
-    group_size: int = 32,
-) -> tuple[Transformer, Tokenizer]:
-    """Load a model and its tokenizer: the bundled model by default, else a directory, a ``.gguf``
-    file (or a directory holding one), a named model such as ``"smollm2-135m-instruct"``, or a hub
-    id. ``quantization``: ``"int8"``, ``"int4"`` (in groups of ``group_size``) or ``"gguf"`` (a
-    GGUF file's blocks kept as they are); see :mod:`infer_lab.model.quantize`."""
-    if quantization is not None:
-        from infer_lab.model.quantize import load_quantized
-
-        return load_quantized(model, device, dtype, quantization, group_size)
-    path = resolve_model_path(model)
-    if str(path) in registry.NAMED_MODELS and not path.exists():
-        return random_named_model(str(path), device, dtype)
-    if not (path / "config.json").is_file():
-        gguf_file = find_gguf(path)
-        if gguf_file is not None:
-            return load_gguf(gguf_file, device, dtype)
-    return load_model(path, device, dtype), Tokenizer.from_dir(path)
-
-
 # SmolLM2-135M-Instruct's shape, as its GGUF metadata states it, for the random stand-in.
 _SMOLLM2_SHAPE = dict(
     model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -255,8 +218,6 @@ def random_named_model(
     For timing where the real file cannot go; the text it produces is noise (token ids past the
     bundled vocabulary decode to nothing).
     """
-    import sys
-
     from infer_lab.model.random import random_model
 
     if name != "smollm2-135m-instruct":

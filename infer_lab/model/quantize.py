@@ -18,15 +18,15 @@ The matmuls dispatch through :mod:`infer_lab.kernels.quant`.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infer_lab.kernels import quant as qk
 from infer_lab.kernels.quant import unpack_int4
+from infer_lab.model.checkpoint import Weight
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 INT4_DEFAULT_GROUP = 32
@@ -216,15 +216,26 @@ def model_weight_bytes(model: nn.Module) -> int:
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
+def check_quantization_name(quantization: str | None) -> None:
+    """Raise :class:`QuantizationError` unless ``quantization`` is one of :data:`QUANTIZATIONS`
+    or None."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise QuantizationError(
+            f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}")
+
+
 def check_quantization(model: nn.Module, quantization: str, group_size: int) -> None:
     """Raise :class:`QuantizationError` if ``model`` cannot take ``quantization``; no change."""
-    if quantization not in ("int8", "int4"):
-        raise QuantizationError(
-            f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}"
-            + ("; 'gguf' keeps a GGUF file's blocks and needs a .gguf model" if quantization
-               == "gguf" else ""))
+    check_quantization_name(quantization)
+    if quantization == "gguf":
+        raise QuantizationError(f"quantize_model does {QUANTIZATIONS[:2]}; 'gguf' keeps a GGUF "
+                                "file's blocks and needs a .gguf model")
     if getattr(model, "quantization", None):
         raise QuantizationError(f"the model is already quantized ({model.quantization})")
+    if getattr(model.config, "num_experts", 0):  # Chapter 12
+        raise QuantizationError(
+            f"this is a mixture-of-experts model ({model.config.num_experts} experts per layer); "
+            "quantized experts are not supported: load it without quantization")
     if model.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise QuantizationError(f"cannot quantize a {model.dtype} model")
     if quantization == "int4":
@@ -266,18 +277,6 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int = INT4_D
     return model
 
 
-def dequantized_copy_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """name -> the dequantized weight of every quantized module (for tests and the chapter)."""
-    return {name: mod.dequantize() for name, mod in model.named_modules()
-            if isinstance(mod, QuantizedLinear)}
-
-
-def linear_reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
-    """Dequantize the whole weight, then an ordinary matmul: the definition of the layer."""
-    return F.linear(x, layer.dequantize(x.dtype), None if layer.bias is None
-                    else layer.bias.to(x.dtype))
-
-
 # ---------------------------------------------------------------------------- GGUF blocks
 GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -316,147 +315,67 @@ def gguf_block_tensors(data: np.ndarray, qtype: str, rows: int, cols: int
     return "int4", {"qweight": packed, "scale": d, "minimum": minimum}
 
 
-def _take_rows(fmt: str, t: dict[str, torch.Tensor], order: np.ndarray) -> dict[str, torch.Tensor]:
-    idx = torch.from_numpy(order)
-    if fmt == "int8g":
-        return {"qweight": t["qweight"][:, idx], "scale": t["scale"][idx]}
-    return {k: v[idx] for k, v in t.items()}
-
-
 @torch.no_grad()
-def keep_gguf_blocks(model: nn.Module, path: str | os.PathLike | object) -> nn.Module:
-    """Replace the model's linears and embedding by the GGUF file's own Q4_0/Q4_1/Q8_0 blocks.
+def keep_gguf_blocks(model: nn.Module, weights: Iterable[Weight]) -> nn.Module:
+    """Replace the model's linears and embedding by a GGUF file's own Q4_0/Q4_1/Q8_0 blocks.
 
-    ``model`` was loaded from the same file (dequantized); its norms stay. Fused projections
-    (q/k/v, gate/up) concatenate their pieces' rows, which must share one format; q and k rows
-    are put back in Hugging Face's order as the loader does for the dequantized matrices.
+    ``weights`` are the file's tensors (:meth:`~infer_lab.model.gguf.GGUFFile.weights`): each
+    matrix's blocks, rows already in the model's order; the norms stay as they are in
+    ``model``. Fused projections (q/k/v, gate/up) concatenate their pieces' rows, which must
+    share one format.
     """
-    from infer_lab.model.gguf import _GLOBAL_TENSORS, _LAYER_TENSORS, _File, _unpermute
-
     if getattr(model, "quantization", None):
         raise QuantizationError(f"the model is already quantized ({model.quantization})")
-    from gguf import GGMLQuantizationType
-
-    f = path if isinstance(path, _File) else _File(path)  # the loader may pass its parsed file
-    cfg, dtype = model.config, model.dtype
     pieces: dict[str, list[tuple[int, str, dict[str, torch.Tensor]]]] = {}
-    for name, tensor in f.tensors.items():
-        base = name.removesuffix(".weight")
-        parts = base.split(".")
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-            local, index = _LAYER_TENSORS[parts[2]]
-            if "norm" in local:
-                continue
-            ours = f"layers.{parts[1]}.{local}"
-        elif base in ("token_embd", "output"):
-            ours, index = _GLOBAL_TENSORS[base], None
-        else:
-            continue
-        qtype = GGMLQuantizationType(tensor.tensor_type).name
-        cols, rows = (int(d) for d in tensor.shape)  # gguf lists the fastest axis first
-        fmt, t = gguf_block_tensors(np.asarray(tensor.data), qtype, rows, cols)
-        if parts[-1] in ("attn_q", "attn_k"):
-            heads = cfg.num_attention_heads if parts[-1] == "attn_q" else cfg.num_key_value_heads
-            order = _unpermute(np.arange(rows)[:, None], heads)[:, 0]
-            t = _take_rows(fmt, t, order)
-        pieces.setdefault(ours, []).append((index or 0, fmt, t))
-    for ours, parts_ in sorted(pieces.items()):
-        parts_.sort(key=lambda p: p[0])
-        fmts = {p[1] for p in parts_}
-        if len(fmts) != 1:
-            raise QuantizationError(f"{ours}: its GGUF pieces mix formats {sorted(fmts)}")
-        fmt = fmts.pop()
-        cat_dim = {"qweight": 1 if fmt == "int8g" else 0, "scale": 0, "minimum": 0}
-        t = {k: torch.cat([p[2][k] for p in parts_], dim=cat_dim[k]).to(model.device)
-             for k in parts_[0][2]}
-        n = t["scale"].shape[0]
-        k_in = cfg.hidden_size if ours in ("embed_tokens", "lm_head") else None
-        if ours == "embed_tokens":
-            layer = QuantizedLinear(fmt, t, k_in, n, None, 32)
-            model.embed_tokens = QuantizedEmbedding(layer, dtype)
-            if model.lm_head is None:
-                model.lm_head = layer
-            continue
-        old = model.get_submodule(ours)
-        bias = None if getattr(old, "bias", None) is None else old.bias.detach().clone()
-        layer = QuantizedLinear(fmt, t, old.in_features if k_in is None else k_in, n, bias, 32)
-        parent, _, attr = ours.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+    label = "the file"
+    for w in weights:
+        if w.blocks is None or len(w.shape) != 2 or w.param is None:
+            continue  # a norm: it stays in the model's dtype
+        rows, cols = w.shape
+        fmt, t = gguf_block_tensors(w.blocks(), w.type_name, rows, cols)
+        pieces.setdefault(w.param.removesuffix(".weight"), []).append((w.part or 0, fmt, t))
+        label = w.where
+    for name, parts in sorted(pieces.items()):
+        _set_block_layer(model, name, parts)
     left = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if left or not isinstance(model.embed_tokens, QuantizedEmbedding):
-        raise QuantizationError(f"{f.path.name}: no GGUF blocks for {left or ['embed_tokens']}")
+        raise QuantizationError(f"{label}: no GGUF blocks for {left or ['embed_tokens']}")
     model.quantization = "gguf"
     return model
 
 
-def load_quantized(model: str | os.PathLike | None, device: torch.device | str | None,
-                   dtype: torch.dtype | str | None, quantization: str, group_size: int = 32
-                   ) -> tuple[nn.Module, object]:
-    """``il.load(..., quantization=...)``: load, then quantize (or keep a GGUF file's blocks).
-
-    The format is checked before seconds of loading; ``"gguf"`` needs a GGUF model and reads the
-    file once for the model, its tokenizer and its blocks.
-    """
-    from infer_lab.model import gguf, loader, registry
-
-    if quantization not in QUANTIZATIONS:
-        raise QuantizationError(
-            f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}")
-    if quantization != "gguf":
-        m, tok = loader.load(model, device, dtype)
-        return quantize_model(m, quantization, group_size), tok
-    path = loader.resolve_model_path(model)
-    if str(path) in registry.NAMED_MODELS and not path.exists():
-        raise QuantizationError(f"quantization='gguf' needs the real {path} file; the random "
-                                "stand-in has no GGUF blocks (use int4 or int8)")
-    file = None if (path / "config.json").is_file() else gguf.find_gguf(path)
-    if file is None:
-        raise QuantizationError(f"quantization='gguf' keeps a GGUF file's blocks, and {path} is "
-                                "a safetensors checkpoint; use 'int8' or 'int4'")
-    f = gguf._File(file)
-    tok = gguf._tokenizer(f)
-    return keep_gguf_blocks(_gguf_norms_only(f, device, dtype), f), tok
-
-
-@torch.no_grad()
-def _gguf_norms_only(f: object, device: torch.device | str | None,
-                     dtype: torch.dtype | str | None) -> nn.Module:
-    """The model of GGUF file ``f`` with only its norms read: the blocks replace everything else.
-
-    Dequantizing every matrix first (as the plain load does) only to throw it away cost seconds;
-    the uninitialised linears of ``Transformer.empty`` are never touched and go once replaced.
-    """
-    from infer_lab.device import default_device, resolve_dtype
-    from infer_lab.model import gguf
-    from infer_lab.model.transformer import Transformer
-
-    cfg = gguf._config(f)
-    device = torch.device(device) if device is not None else default_device()
-    model = Transformer.empty(cfg, device, resolve_dtype(dtype, device))
-    params, filled = dict(model.named_parameters()), set()
-    for name, tensor in f.tensors.items():
-        parts = name.removesuffix(".weight").split(".")
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in ("attn_norm", "ffn_norm"):
-            ours = f"layers.{parts[1]}.{gguf._LAYER_TENSORS[parts[2]][0]}.weight"
-        elif parts == ["output_norm"]:
-            ours = "norm.weight"
-        else:
-            continue
-        params[ours].copy_(torch.from_numpy(np.array(gguf._dequantize(f, tensor))))
-        filled.add(ours)
-    missing = [n for n in params if "norm" in n and n not in filled]
-    if missing:
-        raise QuantizationError(f"{f.path.name} is missing tensors for: {missing[:8]}")
-    return model.eval().requires_grad_(False)
+def _set_block_layer(model: nn.Module, name: str,
+                     parts: list[tuple[int, str, dict[str, torch.Tensor]]]) -> None:
+    """Module ``name`` (a linear, or the embedding) becomes the concatenation of its pieces."""
+    parts.sort(key=lambda p: p[0])
+    fmts = {p[1] for p in parts}
+    if len(fmts) != 1:
+        raise QuantizationError(f"{name}: its GGUF pieces mix formats {sorted(fmts)}")
+    fmt = fmts.pop()
+    cat_dim = {"qweight": 1 if fmt == "int8g" else 0, "scale": 0, "minimum": 0}
+    t = {k: torch.cat([p[2][k] for p in parts], dim=cat_dim[k]).to(model.device)
+         for k in parts[0][2]}
+    n = t["scale"].shape[0]
+    hidden = model.config.hidden_size
+    if name == "embed_tokens":
+        layer = QuantizedLinear(fmt, t, hidden, n, None, 32)
+        model.embed_tokens = QuantizedEmbedding(layer, model.dtype)
+        if model.lm_head is None:
+            model.lm_head = layer
+        return
+    old = model.get_submodule(name)
+    bias = None if getattr(old, "bias", None) is None else old.bias.detach().clone()
+    k_in = hidden if name == "lm_head" else old.in_features
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr,
+            QuantizedLinear(fmt, t, k_in, n, bias, 32))
 
 
 def check_model_quantization(model: object, quantization: str | None) -> None:
     """The engine's check: a ``quantization`` option must match the model it is given."""
+    check_quantization_name(quantization)
     if quantization is None:
         return
-    if quantization not in QUANTIZATIONS:
-        raise QuantizationError(
-            f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}")
     have = getattr(model, "quantization", None)
     if have is None or have.split("-")[0] != quantization:
         raise QuantizationError(

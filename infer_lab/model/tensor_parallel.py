@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer_lab.model.config import ModelConfig
+from infer_lab.model.expert_parallel import parallel_size_problem, shard_moe_block_tp
+from infer_lab.model.moe import SparseMoeBlock
 from infer_lab.model.transformer import Attention, Transformer
 from infer_lab.utils import cdiv
 
@@ -47,6 +49,8 @@ def tp_size_problem(cfg: ModelConfig, tp: int) -> str | None:
         return f"{kv} KV heads neither divide into {tp} nor into a whole number of copies"
     if inter % tp:
         return f"the MLP's {inter} hidden units do not divide into {tp}"
+    if cfg.moe_layers:  # Chapter 12: every expert is split by its hidden units too
+        return parallel_size_problem(cfg, tp, "tp")
     return None
 
 
@@ -155,6 +159,9 @@ def shard_model(model: Transformer, rank: int, tp: int,
     local = local_config(full, tp)
     for layer in model.layers:
         _shard_attention(layer.self_attn, full, rank, tp, group)
+        if isinstance(layer.mlp, SparseMoeBlock):  # Chapter 12: experts split like an MLP
+            shard_moe_block_tp(layer.mlp, rank, tp, group)
+            continue
         mlp, inter = layer.mlp, full.intermediate_size
         n = inter // tp
         rows = torch.cat([torch.arange(rank * n, (rank + 1) * n),

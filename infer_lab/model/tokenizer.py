@@ -26,7 +26,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _BackendTokenizer
 
-__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
+__all__ = [
+    "ChatTemplateError", "IncrementalDetokenizer", "TemplateLimitError", "Tokenizer",
+    "render_chat_template",
+]
 
 # The named special tokens `transformers` hands to a chat template (its `special_tokens_map`).
 _NAMED_SPECIAL_TOKENS = (
@@ -45,6 +48,16 @@ class ChatTemplateError(jinja2.TemplateError, ValueError):
     It is a `jinja2.TemplateError` (what `transformers` raises) and a `ValueError`, so that a server
     can answer it as a bad request without knowing about jinja2.
     """
+
+
+class TemplateLimitError(ChatTemplateError):
+    """A chat template went over a limit for one conversation: ``reason`` is
+    ``"template_output"`` (it wrote, or tried to hold, too many bytes) or
+    ``"template_timeout"`` (it ran too long; only a child-process renderer can stop it)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -173,6 +186,88 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     env.globals["dict"] = dict
     env.globals["namespace"] = _TemplateNamespace
     return env.from_string(source)
+
+
+def render_chat_template(
+    source: str,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    variables: dict[str, Any],
+    max_bytes: int | None = None,
+) -> str:
+    """Render a chat template; with ``max_bytes``, stop with :class:`TemplateLimitError` as soon
+    as the output passes that many bytes (jinja's ``generate`` hands the output over piece by
+    piece, so a template writing gigabytes is stopped after the first piece over the limit).
+
+    A template is code from a model file: in-process, nothing stops one that loops forever or
+    builds one huge string in a single expression. A server renders it in a child process with
+    a deadline and a memory limit (``infer_lab.serve.template``), through :func:`template_worker`.
+    """
+    template = _compile_chat_template(source)
+    pieces = template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **variables)
+    if max_bytes is None:
+        return "".join(pieces)
+    out, size = [], 0
+    for piece in pieces:
+        size += len(piece)  # characters: a lower bound of the bytes
+        if size > max_bytes:
+            break
+        out.append(piece)
+    text = "".join(out)
+    if size > max_bytes or len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise TemplateLimitError(f"the chat template wrote more than {max_bytes} bytes for this "
+                                 "conversation", "template_output")
+    return text
+
+
+def template_worker(memory_bytes: int = 0) -> None:
+    """Serve :func:`render_chat_template` to a parent process over stdin/stdout until stdin
+    closes: frames of a 4-byte little-endian length and JSON. Run in a child process loaded
+    from this file alone (no ``infer_lab`` import, no torch), with its address space limited to
+    ``memory_bytes`` (POSIX), so that a template's runaway string is a ``MemoryError`` here."""
+    import sys
+
+    if memory_bytes:
+        try:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        except (ImportError, ValueError, OSError):
+            pass
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    _write_frame(stdout, {"ready": True})
+    while (request := _read_frame(stdin)) is not None:
+        _write_frame(stdout, _render_reply(request))
+
+
+def _render_reply(request: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return {"text": render_chat_template(**request)}
+    except TemplateLimitError as e:
+        return {"error": str(e), "reason": e.reason}
+    except MemoryError:
+        return {"error": "the chat template ran out of memory for this conversation",
+                "reason": "template_output"}
+    except RecursionError:
+        return {"error": "the chat template recursed too deeply", "reason": "template_output"}
+    except ChatTemplateError as e:  # the template's raise_exception(...): about the conversation
+        return {"error": str(e)[:1000], "reason": None}
+    except Exception as e:  # raise_exception(...), a sandbox refusal, a template bug
+        return {"error": f"{type(e).__name__}: {e}"[:1000], "reason": None}
+
+
+def _read_frame(stream: Any) -> dict[str, Any] | None:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    return json.loads(stream.read(int.from_bytes(head, "little")))
+
+
+def _write_frame(stream: Any, payload: dict[str, Any]) -> None:
+    data = json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    stream.write(len(data).to_bytes(4, "little") + data)
+    stream.flush()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -377,6 +472,7 @@ class Tokenizer:
         tokenize: bool = False,
         *,
         chat_template: str | None = None,
+        max_bytes: int | None = None,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render OpenAI-style messages into the prompt text the model was trained on.
@@ -385,7 +481,8 @@ class Tokenizer:
         `strftime_now` and a JSON `tojson`; the variables `messages`, `add_generation_prompt`,
         `tools`, `documents`, the special tokens (`bos_token`, `eos_token`, ...) and `**kwargs`.
         `tokenize=True` encodes the text *without* adding special tokens, because the template
-        already wrote them. `chat_template` overrides the model's template for this call.
+        already wrote them. `chat_template` overrides the model's template for this call;
+        `max_bytes` bounds the rendered text (:class:`TemplateLimitError` beyond it).
         """
         source = chat_template if chat_template is not None else self.chat_template
         if source is None:
@@ -402,13 +499,17 @@ class Tokenizer:
             if not isinstance(message, dict):
                 raise TypeError(f"chat messages must be dicts, got {message!r}")
             chat.append({k: v for k, v in message.items() if v is not None})
+        variables = self.template_variables(**kwargs)
+        text = render_chat_template(source, chat, add_generation_prompt, variables, max_bytes)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def template_variables(self, **kwargs: Any) -> dict[str, Any]:
+        """What a chat template sees besides the messages: the special tokens, ``tools`` and
+        ``documents`` (None unless given) and ``kwargs``."""
         variables: dict[str, Any] = {**self.special_tokens, **kwargs}
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
-        text = _compile_chat_template(source).render(
-            messages=chat, add_generation_prompt=add_generation_prompt, **variables
-        )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return variables
 
     def detokenizer(
         self, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True

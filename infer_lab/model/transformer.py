@@ -15,6 +15,7 @@ from torch import nn
 from infer_lab.kernels import apply_rope, rms_norm, silu_and_mul
 from infer_lab.model.attention import AttentionContext, causal_attention
 from infer_lab.model.config import ModelConfig
+from infer_lab.model.moe import SparseMoeBlock
 from infer_lab.model.rope import rope_inv_freq
 
 
@@ -85,7 +86,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        # Chapter 12: a router and experts in a mixture-of-experts model's sparse layers.
+        self.mlp = SparseMoeBlock(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg)
 
     def forward(
         self,

@@ -12,9 +12,18 @@ from pydantic.json_schema import models_json_schema
 
 from infer_lab.serve.async_engine import AsyncEngine
 from infer_lab.serve.errors import install_handlers
+from infer_lab.serve.limits import ServerLimits
 from infer_lab.serve.middleware import ApiKey, BodyLimit, CatchAll, ConcurrencyLimit
 from infer_lab.serve.routes import BODIES, router
 from infer_lab.serve.state import ServerState
+
+DESCRIPTION = (
+    "An OpenAI-compatible server (completions, chat). A field that OpenAI or vLLM define and "
+    "that would change the output is honoured, or refused by name with a 400 when it is not "
+    "implemented (min_p, typical_p, beam search, guided_*...); a field nobody defines is "
+    "ignored, as routers and SDKs add their own. Every limit on a request is an "
+    "`infer-lab serve` option, and every refusal is counted in /metrics "
+    "(infer_lab:request_refused_total, by reason).")
 
 
 @asynccontextmanager
@@ -25,7 +34,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         server.engine.shutdown()
-        server.pool.shutdown(wait=False, cancel_futures=True)
+        server.close()
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -53,12 +62,15 @@ def build_app(
     *,
     guard_all: bool = False,
     body_timeout: float = 30.0,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The HTTP face of an engine, started and stopped with the app. With ``api_key``, the
-    ``/v1`` routes need it (and ``/metrics`` and the docs too when ``guard_all``)."""
-    app = FastAPI(title="infer_lab", version="0.1.0", lifespan=_lifespan)
+    ``/v1`` routes need it (and ``/metrics`` and the docs too when ``guard_all``); ``limits``
+    bound what one request may cost (the defaults of :class:`ServerLimits` otherwise)."""
+    app = FastAPI(title="infer_lab", version="0.1.0", lifespan=_lifespan,
+                  description=DESCRIPTION)
     context = max_model_len or engine.engine.max_model_len
-    app.state.server = ServerState(engine, model_name, context)
+    app.state.server = ServerState(engine, model_name, context, limits or ServerLimits())
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     install_handlers(app)
     app.include_router(router)

@@ -2,25 +2,35 @@
 
 The model forward takes milliseconds to seconds; run on the event loop it would freeze every
 connection for that long. So the engine steps in its own thread, and the event loop only talks to
-it through two doors: a command queue in (add, abort) and per-request asyncio queues out (each
-step's new tokens). The engine is never touched from two threads at once.
+it through two doors: a command queue in (add, abort) and one :class:`RequestOutputCollector` per
+request out (each step's new tokens). The engine is never touched from two threads at once.
+
+Each output carries the request's text, token ids, times and log-probabilities *so far*, so a
+queue of them would cost a client that stops reading n x t^2 memory. A collector keeps those
+cumulative fields on its newest output only, the older ones reduced to their deltas, and merges
+the oldest when more than a few dozen wait (vLLM's output collector merges every time): a slow
+reader costs n x t.
 
 The event-loop side also keeps the books a server needs before the engine sees a request: how
-many admitted requests (and prompt tokens) are still waiting for their first token, which bounds
-admission (429 beyond it), and which requests are in flight, which a draining server waits for.
+many admitted requests are still waiting for their first token (grammar compilations count as
+waiting), and the tokens every request in flight may occupy, n x (prompt + max_tokens), which
+bound admission (429 beyond them); and which requests are in flight, which a draining server
+waits for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from infer_lab.engine import LLMEngine, RequestOutput, SamplingParams
-from infer_lab.serve.errors import server_busy
+from infer_lab.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
+from infer_lab.serve.errors import APIError, server_busy
 from infer_lab.serve.metrics import ServerMetrics
 
 log = logging.getLogger("infer_lab.serve")
@@ -36,10 +46,76 @@ class EngineDeadError(RequestFailed):
     """The engine loop is not running."""
 
 
+class RequestOutputCollector:
+    """The outputs of one request its reader has not taken yet, in memory O(n x t).
+
+    Each engine output carries the request's text, token ids, times and log-probabilities so
+    far: a queue of them costs a reader that stops reading n x t^2. Here only the newest
+    pending output keeps those cumulative fields; older ones keep only their step's deltas, so
+    that a reader a few steps behind still gets one event per step. Past ``MAX_PENDING`` such
+    records the two oldest merge into one (their deltas concatenated, as vLLM's output collector
+    does for every output), so a reader that never reads holds one output's worth of deltas
+    and one copy of the cumulative fields. An exception (the request failed) replaces whatever
+    is pending and stays."""
+
+    MAX_PENDING = 64
+
+    def __init__(self) -> None:
+        self.pending: deque[RequestOutput | Exception] = deque()
+        self._ready = asyncio.Event()
+
+    @property
+    def output(self) -> RequestOutput | Exception | None:
+        """The newest pending output (None when the reader has taken everything)."""
+        return self.pending[-1] if self.pending else None
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        if self.pending and isinstance(self.pending[-1], Exception):
+            return
+        if isinstance(item, Exception):
+            self.pending.clear()
+        elif self.pending:
+            self.pending[-1] = _deltas_only(self.pending[-1])
+            if len(self.pending) >= self.MAX_PENDING:
+                first = self.pending.popleft()
+                self.pending[0] = merge_outputs(first, self.pending[0])
+        self.pending.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | Exception:
+        """The oldest pending output (waits for one)."""
+        while not self.pending:
+            self._ready.clear()
+            await self._ready.wait()
+        return self.pending.popleft()
+
+
+def _deltas_only(out: RequestOutput) -> RequestOutput:
+    """``out`` without its cumulative fields (a newer output carries them)."""
+    return dataclasses.replace(out, outputs=[dataclasses.replace(
+        c, text="", token_ids=[], token_times=[], logprobs=None) for c in out.outputs])
+
+
+def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """``new`` with the deltas of ``old`` (not yet sent) before its own."""
+    before = {c.index: c for c in old.outputs}
+    outputs = [_merge_completion(before.get(c.index), c) for c in new.outputs]
+    return dataclasses.replace(new, outputs=outputs)
+
+
+def _merge_completion(old: CompletionOutput | None, new: CompletionOutput) -> CompletionOutput:
+    if old is None:
+        return new
+    return dataclasses.replace(
+        new, delta_text=old.delta_text + new.delta_text,
+        delta_token_ids=old.delta_token_ids + new.delta_token_ids,
+        delta_logprobs=list(old.delta_logprobs or ()) + list(new.delta_logprobs or ()))
+
+
 @dataclass
 class _Stream:
-    queue: asyncio.Queue
-    prompt_tokens: int
+    collector: RequestOutputCollector
+    cost: int  # tokens the request may occupy: n x (prompt + max_tokens)
     waiting: bool = True  # admitted, no output yet
 
 
@@ -47,17 +123,22 @@ class AsyncEngine:
     """Thread-owned :class:`LLMEngine` with awaitable ``add_request`` and per-request streams."""
 
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, *,
-                 max_waiting_requests: int = 256, max_waiting_tokens: int = 1 << 18) -> None:
+                 max_waiting_requests: int = 256, max_waiting_tokens: int = 1 << 18,
+                 max_inflight_tokens: int = 0) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_tokens = max_waiting_tokens
+        kv_tokens = engine.config.num_kv_blocks * engine.config.block_size
+        self.max_inflight_tokens = max_inflight_tokens or 2 * kv_tokens
         self.draining = False
         self.dead: str | None = None
+        self.compiling = 0  # grammar compilations under way: they count as waiting requests
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # event-loop side
         self._engine_ids: set[str] = set()  # engine-thread side: requests it is running
-        self._waiting_tokens = 0
+        self._waiting_tokens = 0  # what the waiting requests may occupy
+        self._inflight_tokens = 0  # what every request in flight may occupy
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stopping = False
@@ -88,30 +169,49 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(s.waiting for s in self._streams.values())
+        return sum(s.waiting for s in self._streams.values()) + self.compiling
 
-    def check_admission(self, prompt_tokens: int = 0) -> None:
-        """Raise 429 if admitting one more request would pass the waiting bounds."""
+    @property
+    def inflight_tokens(self) -> int:
+        """Tokens the requests in flight may occupy (n x (prompt + max_tokens), summed)."""
+        return self._inflight_tokens
+
+    def refuse(self, reason: str, message: str) -> APIError:
+        """429 with ``Retry-After``, counted under ``reason`` in ``/metrics``."""
+        if self.metrics:
+            self.metrics.refuse(reason)
+        return server_busy(message)
+
+    def check_admission(self, cost: int = 0) -> None:
+        """Raise 429 if admitting a request that may occupy ``cost`` tokens would pass the
+        waiting bounds or the budget of tokens in flight (a request alone always passes it)."""
         waiting = self.num_waiting
         if waiting + 1 > self.max_waiting_requests:
-            raise server_busy(f"the server has {waiting} requests waiting (the limit is "
-                              f"{self.max_waiting_requests}); retry later")
-        if waiting and self._waiting_tokens + prompt_tokens > self.max_waiting_tokens:
-            raise server_busy(f"the server has {self._waiting_tokens} prompt tokens waiting "
-                              f"(the limit is {self.max_waiting_tokens}); retry later")
+            raise self.refuse("waiting_requests", f"the server has {waiting} requests waiting "
+                              f"(the limit is {self.max_waiting_requests}); retry later")
+        if waiting and self._waiting_tokens + cost > self.max_waiting_tokens:
+            raise self.refuse("waiting_tokens", f"the requests waiting may occupy "
+                              f"{self._waiting_tokens} tokens (the limit is "
+                              f"{self.max_waiting_tokens}); retry later")
+        if self._streams and self._inflight_tokens + cost > self.max_inflight_tokens:
+            raise self.refuse("inflight_tokens", f"the requests in flight may occupy "
+                              f"{self._inflight_tokens} tokens and this one {cost} (the budget "
+                              f"is {self.max_inflight_tokens}); retry later")
 
     async def add_request(self, request_id: str, prompt: Sequence[int],
-                          params: SamplingParams) -> asyncio.Queue:
-        """Admit and queue a request (token ids); returns the queue its outputs arrive on.
-        Raises 429 beyond the waiting bounds, and what the engine raises for a request it
+                          params: SamplingParams) -> RequestOutputCollector:
+        """Admit and queue a request (token ids); returns the collector its outputs arrive in.
+        Raises 429 beyond the admission bounds, and what the engine raises for a request it
         cannot take (``ValueError``: too long, bad token ids, ...)."""
         if self.state == "dead":
             raise EngineDeadError("the engine loop is not running")
-        self.check_admission(len(prompt))
+        cost = params.n * (len(prompt) + params.max_tokens)
+        self.check_admission(cost)
         loop = asyncio.get_running_loop()
-        stream = _Stream(asyncio.Queue(), len(prompt))
+        stream = _Stream(RequestOutputCollector(), cost)
         self._streams[request_id] = stream
-        self._waiting_tokens += len(prompt)
+        self._waiting_tokens += cost
+        self._inflight_tokens += cost
         done: asyncio.Future = loop.create_future()
 
         def add() -> None:
@@ -129,7 +229,7 @@ class AsyncEngine:
         except BaseException:
             self._forget(request_id)
             raise
-        return stream.queue
+        return stream.collector
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its KV blocks are freed before the next step."""
@@ -148,7 +248,7 @@ class AsyncEngine:
         many (the end of a drain)."""
         ids = list(self._streams)
         for request_id in ids:
-            self._streams[request_id].queue.put_nowait(RequestFailed(message))
+            self._streams[request_id].collector.put(RequestFailed(message))
             self.abort(request_id)
         return len(ids)
 
@@ -162,8 +262,10 @@ class AsyncEngine:
 
     def _forget(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
-        if stream is not None and stream.waiting:
-            self._waiting_tokens -= stream.prompt_tokens
+        if stream is not None:
+            self._inflight_tokens -= stream.cost
+            if stream.waiting:
+                self._waiting_tokens -= stream.cost
 
     def _on_output(self, request_id: str, item: RequestOutput | Exception) -> None:
         stream = self._streams.get(request_id)
@@ -171,10 +273,10 @@ class AsyncEngine:
             return
         if stream.waiting:
             stream.waiting = False
-            self._waiting_tokens -= stream.prompt_tokens
+            self._waiting_tokens -= stream.cost
         if isinstance(item, Exception) or item.finished:
-            del self._streams[request_id]
-        stream.queue.put_nowait(item)
+            self._forget(request_id)
+        stream.collector.put(item)
 
     def _submit(self, command: Callable[[], None]) -> None:
         if not self._thread.is_alive():
@@ -245,7 +347,8 @@ class AsyncEngine:
         if self.metrics:
             stats = self.engine.get_stats()
             self._seen_stats = self.metrics.update(stats, self._seen_stats)
-            self.metrics.update_structured(self.engine.structured.stats)
+            structured = self.engine.structured
+            self.metrics.update_structured(structured.stats, structured.cache_bytes)
 
     def _observe(self, out: RequestOutput) -> None:
         m = self.metrics

@@ -10,6 +10,13 @@ if TYPE_CHECKING:
     from infer_lab.engine.engine import EngineStats
     from infer_lab.engine.structured import StructuredStats
 
+# Why a request was refused (``infer_lab:request_refused_total{reason=...}``): every bound of
+# ServerLimits and of admission, plus the protocol-level refusals. Exported from the start at 0.
+REFUSAL_REASONS = (
+    "waiting_requests", "waiting_tokens", "inflight_tokens", "n", "logprobs", "compile_busy",
+    "grammar_size", "schema_depth", "enum_values", "grammar_slow", "grammar_invalid",
+    "template_output", "template_timeout", "unsupported_field", "send_timeout", "smuggling",
+)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                     0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -52,6 +59,12 @@ class ServerMetrics:
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens",
                                      "Proposed tokens the model accepted.")
+        self.refused = Counter("infer_lab:request_refused", "Requests refused, by reason.",
+                               ["model_name", "reason"], registry=self.registry)
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(model_name=model_name, reason=reason)
+        self.grammar_cache_bytes = gauge("grammar_cache_bytes",
+                                         "Bytes of compiled grammars kept for reuse.")
         self.structured = (
             counter("structured_requests", "Requests with an output constraint."),
             counter("structured_compile_seconds", "Time compiling grammars (cache misses)."),
@@ -71,11 +84,16 @@ class ServerMetrics:
                        self.requests_aborted, self.requests_failed, self.preemptions,
                        self.prefix_queries, self.prefix_hits, self.spec_drafts,
                        self.spec_draft_tokens, self.spec_accepted, self.ttft, self.itl, self.e2e,
+                       self.grammar_cache_bytes,
                        *self.structured, *(self.vllm or ())):
             self.labels(metric)  # export every series from the start, at zero
 
     def labels(self, metric):  # noqa: ANN001, ANN201 - prometheus metric types
         return metric.labels(model_name=self.model)
+
+    def refuse(self, reason: str) -> None:
+        """Count one refused request under ``reason`` (one of ``REFUSAL_REASONS``)."""
+        self.refused.labels(model_name=self.model, reason=reason).inc()
 
     def update(self, stats: EngineStats, seen: tuple[int, ...]) -> tuple[int, ...]:
         """Set the gauges from ``stats``; advance the counters by what grew since ``seen``
@@ -101,8 +119,9 @@ class ServerMetrics:
                 self.labels(counter).inc(now - before)
         return totals
 
-    def update_structured(self, stats: StructuredStats) -> None:
+    def update_structured(self, stats: StructuredStats, cache_bytes: int = 0) -> None:
         """Advance the constrained-decoding counters to the engine's totals."""
+        self.labels(self.grammar_cache_bytes).set(cache_bytes)
         totals = (stats.constrained_requests, stats.compile_seconds, stats.mask_seconds,
                   stats.mask_rows)
         for counter, now, before in zip(self.structured, totals, self._structured_seen):

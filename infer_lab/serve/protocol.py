@@ -3,8 +3,12 @@
 Validation happens here, before a request reaches the engine: a wrong type or an out-of-range
 value is a 400 with OpenAI's error shape, never a failure inside a batch that other requests share.
 Every number is bounded by what the engine can represent (``top_k`` below 2**31, not 2**63), and
-an OpenAI field this server does not implement is refused by name when its value would change the
-output; its neutral value (``logit_bias: {}``, ``echo: false``, ``n: 1``...) is accepted.
+a field OpenAI or vLLM define that this server does not implement is refused by name when its
+value would change the output (``REFUSED_FIELDS``: ``min_p``, ``typical_p``, beam search, the
+``guided_*`` fields...); its neutral value (``logit_bias: {}``, ``echo: false``, ``min_p: 0``...)
+is accepted. A field nobody defines is ignored, as OpenAI's and vLLM's servers do: routers and
+SDKs add their own (``metadata``, ``store``, ``service_tier``, ``user``...), and none of those
+changes what the model writes.
 """
 
 from __future__ import annotations
@@ -49,11 +53,69 @@ def _finite(default: float, lo: float, hi: float, *, gt: bool = False) -> Any:
     return Field(default=default, le=hi, allow_inf_nan=False, **bound)
 
 
+_GUIDED = "use response_format or structured_outputs (vLLM's guided_* fields are gone)"
+# Fields OpenAI or vLLM define that would change the output and that this server does not
+# implement: (values that change nothing, why). None is always accepted. Checked: every
+# sampling, decoding and prompt field of OpenAI's completions and chat APIs and of vLLM's
+# extra parameters (0.11); those not here are honoured, or change nothing the model writes.
+REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "min_p": ((0,), "is not supported yet (only 0)"),
+    "typical_p": ((1,), "is not supported (only 1)"),
+    "min_tokens": ((0,), "is not supported (only 0)"),
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1,), "is not supported (it is for beam search)"),
+    "early_stopping": ((False,), "is not supported (it is for beam search)"),
+    "include_stop_str_in_output": ((False,), "is not supported (only false)"),
+    "skip_special_tokens": ((True,), "is not supported (only true)"),
+    "spaces_between_special_tokens": ((True,), "is not supported (only true)"),
+    "truncate_prompt_tokens": ((), "is not supported: a prompt too long is refused"),
+    "prompt_logprobs": ((), "is not supported"),
+    "allowed_token_ids": ((), "is not supported"),
+    "bad_words": (([],), "is not supported"),
+    "logits_processors": ((), "is not supported"),
+    "vllm_xargs": (({},), "is not supported"),
+    "guided_json": ((), _GUIDED), "guided_regex": ((), _GUIDED),
+    "guided_choice": ((), _GUIDED), "guided_grammar": ((), _GUIDED),
+    "guided_decoding_backend": ((), _GUIDED), "guided_whitespace_pattern": ((), _GUIDED),
+    "reasoning_effort": ((), "is not supported (this is not a reasoning model)"),
+    "verbosity": ((), "is not supported"),
+    "web_search_options": ((), "is not supported"),
+}
+CHAT_REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "add_generation_prompt": ((True,), "is not supported (only true)"),
+    "continue_final_message": ((False,), "is not supported (only false)"),
+    "add_special_tokens": ((False,), "is not supported (the chat template writes them)"),
+    "chat_template": ((), "is not supported: the model's own template is used"),
+    "chat_template_kwargs": (({},), "is not supported"),
+    "documents": (([],), "is not supported"),
+    "echo": ((False,), "is not supported (only false)"),
+}
+COMPLETION_REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "add_special_tokens": ((True,), "is not supported (only true)"),
+}
+
+
+def refuse_fields(extra: dict[str, Any] | None, table: dict[str, tuple[tuple[Any, ...], str]],
+                  ) -> None:
+    """Raise :class:`UnsupportedField` for the first field of ``table`` in ``extra`` whose value
+    is neither None nor one of its neutral values."""
+    for name, value in (extra or {}).items():
+        if name in table and value is not None and not _neutral(value, table[name][0]):
+            raise UnsupportedField(name, table[name][1])
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # a bool equals 0 or 1 in Python: match bools by identity, the rest by value
+    return any(value is n if isinstance(n, bool) or isinstance(value, bool) else value == n
+               for n in neutral)
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat (OpenAI's names; vLLM's extras top_k, ignore_eos,
-    repetition_penalty)."""
+    repetition_penalty). Other fields are kept in ``model_extra``: the refused ones are checked
+    by name, the rest ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=_INT32)
@@ -115,6 +177,7 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> None:
         """Raise :class:`UnsupportedField` for the first field whose value we cannot honour."""
+        refuse_fields(self.model_extra, REFUSED_FIELDS)
         if self.logit_bias:
             raise UnsupportedField("logit_bias", "is not supported (only {} is accepted)")
         if self.best_of is not None and self.best_of != self.n:
@@ -143,6 +206,7 @@ class CompletionRequest(SamplingFields):
 
     def unsupported(self) -> None:
         super().unsupported()
+        refuse_fields(self.model_extra, COMPLETION_REFUSED_FIELDS)
         if self.echo:
             raise UnsupportedField("echo", "is not supported (only false)")
         if self.suffix:
@@ -202,6 +266,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def unsupported(self) -> None:
         super().unsupported()
+        refuse_fields(self.model_extra, CHAT_REFUSED_FIELDS)
         if self.functions or self.function_call not in (None, "none"):
             raise UnsupportedField("functions", "the legacy functions API is not supported: "
                                    "use tools")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,11 +31,15 @@ class Shape:
     tools: Any = None  # a ToolPlan: the output is a tool call
 
     def tool_message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        """A chat message (and finish reason) for ``c`` as a tool call: complete only if the
-        grammar finished (``stop``); cut off by ``length``, it is returned as text."""
-        if c.finish_reason != "stop":
+        """A chat message (and finish reason) for ``c`` as a tool call, only if the grammar
+        terminated: ``stop`` with no stop string or stop token behind it (those can fire in
+        the middle of the JSON) and arguments that parse. Otherwise (cut off by ``length``, a
+        stop string, a stop token) the output is returned as text with its finish reason."""
+        call = None
+        if c.finish_reason == "stop" and c.stop_reason is None:
+            call = self.tools.call(c.text, f"call_{self.request_id[-24:]}_{c.index}")
+        if call is None:
             return {"role": "assistant", "content": c.text}, c.finish_reason
-        call = self.tools.call(c.text, f"call_{self.request_id[-24:]}_{c.index}")
         return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
     @property
@@ -133,6 +138,41 @@ def chunk_choice(shape: Shape, c: CompletionOutput, first: bool) -> dict[str, An
     choice["logprobs"] = lp
     choice["finish_reason"] = c.finish_reason
     return choice
+
+
+def response_size(shape: Shape, out: RequestOutput) -> int:
+    """Tokens times the log-probabilities each carries: what building the answer costs."""
+    tokens = sum(len(c.token_ids) for c in out.outputs)
+    return tokens * (1 + (shape.top_logprobs or 0))
+
+
+def encode_json(obj: Any) -> bytes:
+    """``obj`` as compact JSON (what ``JSONResponse`` sends), encoded in small pieces: one
+    ``json.dumps`` of an 18 MB answer holds the GIL, and so the event loop, for its whole
+    length; between small calls the event loop runs."""
+    return "".join(_json_pieces(obj)).encode("utf-8")
+
+
+def _json_pieces(obj: Any) -> Iterator[str]:
+    if isinstance(obj, dict):
+        yield "{"
+        for i, (key, value) in enumerate(obj.items()):
+            yield ("," if i else "") + _dumps(str(key)) + ":"
+            yield from _json_pieces(value)
+        yield "}"
+    elif isinstance(obj, list) and len(obj) > 16:
+        yield "["
+        for i, value in enumerate(obj):
+            if i:
+                yield ","
+            yield from _json_pieces(value)
+        yield "]"
+    else:
+        yield _dumps(obj)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def chunk_object(shape: Shape) -> str:

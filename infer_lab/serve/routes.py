@@ -1,8 +1,11 @@
 """The routes: OpenAI's completions and chat endpoints, models, health and metrics.
 
-Each handler validates (pydantic, then the fields we refuse by name), tokenizes off the event
-loop, asks the engine for admission, and then either streams server-sent events or waits for the
-end while watching for the client to hang up; a request that fails, fails alone.
+Each handler validates (pydantic, then the fields we refuse by name and the limits of
+:class:`~infer_lab.serve.limits.ServerLimits`), tokenizes and compiles its constraint off the
+event loop, asks the engine for admission, and then either streams server-sent events or waits
+for the end while watching for the client to hang up; a request that fails, fails alone. A
+stream that fails ends with an error event and ``[DONE]``; a large answer is built and encoded
+off the event loop.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from infer_lab.engine import RequestOutput, SamplingParams
 from infer_lab.engine.structured import StructuredOutputError, StructuredOutputsParams
-from infer_lab.serve.async_engine import RequestFailed
+from infer_lab.serve.async_engine import RequestFailed, RequestOutputCollector
 from infer_lab.serve.errors import APIError, unavailable
 from infer_lab.serve.protocol import (
     ChatCompletionRequest,
@@ -35,7 +38,9 @@ from infer_lab.serve.responses import (
     Shape,
     chunk_choice,
     chunk_object,
+    encode_json,
     full_response,
+    response_size,
     sse,
     usage_of,
 )
@@ -47,6 +52,7 @@ router = APIRouter()
 SAMPLING_EPS = 1e-5  # below this, temperature or top_p means greedy
 Server = Annotated[ServerState, Depends(server_state)]
 OFF_LOOP_BYTES = 64 * 1024  # bodies above this are parsed and validated in a worker thread
+OFF_LOOP_ENTRIES = 4096  # answers with more tokens (x logprobs) are built in a worker thread
 Body = TypeVar("Body", bound=BaseModel)
 BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
                                       "/v1/chat/completions": ChatCompletionRequest}
@@ -96,9 +102,11 @@ def validate_body(model: type[Body], raw: bytes) -> Body:
     which field is not valid Unicode."""
     try:
         data = json.loads(raw)
-    except (ValueError, RecursionError):  # JSONDecodeError and bad UTF-8 are ValueErrors
+    except ValueError:  # JSONDecodeError and bad UTF-8 are ValueErrors
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
                                        "msg": "invalid JSON"}]) from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -110,11 +118,11 @@ async def completions(request: Request, server: Server) -> Any:
     body = await parse_body(request, server, CompletionRequest)
     check_request(server, body)
     prompt = single_prompt(body.prompt)
-    constraint = refuse_unsupported(body.constraint)
+    constraint = refuse_unsupported(server, body.constraint)
     server.engine.check_admission()  # cheap: refuse before tokenizing when already full
     ids = await server.encode(prompt) if isinstance(prompt, str) else prompt
-    await compile_constraint(server, constraint, "response_format")
-    params = sampling_params(body, body.max_tokens or 16, body.logprobs, constraint)
+    await server.prepare(constraint, constraint_param(body))
+    params = sampling_params(server, body, body.max_tokens or 16, body.logprobs, constraint)
     shape = Shape(new_id("cmpl"), False, server.model_name, server.tokenizer, body.logprobs,
                   include_usage(body), body.return_tokens_as_token_ids)
     return await run(request, server, shape, ids, params, body.stream)
@@ -124,54 +132,46 @@ async def completions(request: Request, server: Server) -> Any:
 async def chat(request: Request, server: Server) -> Any:
     body = await parse_body(request, server, ChatCompletionRequest)
     check_request(server, body)
-    plan = refuse_unsupported(lambda: tool_plan(body))
-    constraint = plan.constraint if plan else refuse_unsupported(body.constraint)
+    plan = refuse_unsupported(server, lambda: tool_plan(body))
+    constraint = plan.constraint if plan else refuse_unsupported(server, body.constraint)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     if plan:
         messages = plan.with_system(messages)
     server.engine.check_admission()
-    try:
-        ids = await server.encode_chat(messages)
-    except ValueError as e:  # no template, or the template refused the conversation
-        raise APIError(400, str(e), param="messages") from e
-    await compile_constraint(server, constraint, "tools" if plan else "response_format")
+    ids = await server.encode_chat(messages)
+    await server.prepare(constraint, "tools" if plan else constraint_param(body))
     wanted = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, wanted or max(1, server.context - len(ids)), top, constraint)
+    params = sampling_params(server, body, wanted or max(1, server.context - len(ids)), top,
+                             constraint)
     shape = Shape(new_id("chatcmpl"), True, server.model_name, server.tokenizer, top,
                   include_usage(body), body.return_tokens_as_token_ids, tools=plan)
     return await run(request, server, shape, ids, params, body.stream)
 
 
-def refuse_unsupported(make: Callable[[], Any]) -> Any:
+def constraint_param(body: SamplingFields) -> str:
+    return "response_format" if body.structured_outputs is None else "structured_outputs"
+
+
+def refuse_unsupported(server: ServerState, make: Callable[[], Any]) -> Any:
     """``make()``, with an ``UnsupportedField`` it raises as a 400 naming the field."""
     try:
         return make()
     except UnsupportedField as e:
-        raise APIError(400, str(e), param=e.field, code="unsupported_field") from e
-
-
-async def compile_constraint(server: ServerState, constraint: StructuredOutputsParams | None,
-                             param: str) -> None:
-    """Compile the constraint in a worker thread (the engine then finds it cached), so that
-    neither the event loop nor the engine loop waits for it; a 400 if it cannot compile."""
-    if constraint is None:
-        return
-    loop = asyncio.get_running_loop()
-    try:
-        await loop.run_in_executor(server.pool, server.engine.engine.structured.compile,
-                                   constraint)
-    except StructuredOutputError as e:
-        raise APIError(400, str(e), param=param, code="invalid_schema") from e
+        raise server.refuse("unsupported_field", str(e), e.field, "unsupported_field") from e
+    except StructuredOutputError as e:  # a schema too deep to even read
+        raise server.refuse("schema_depth", str(e), "response_format", "invalid_schema") from e
 
 
 def check_request(server: ServerState, body: SamplingFields) -> None:
     server.check_open()
     server.check_model(body.model)
-    try:
-        body.unsupported()
-    except UnsupportedField as e:
-        raise APIError(400, str(e), param=e.field, code="unsupported_field") from e
+    most = server.limits.max_n
+    for name in ("n", "best_of"):
+        if (getattr(body, name) or 0) > most:
+            raise server.refuse("n", f"{name}: at most {most} samples per request (this "
+                                "server's --max-n)", name)
+    refuse_unsupported(server, body.unsupported)
 
 
 def single_prompt(prompt: Any) -> str | list[int]:
@@ -189,7 +189,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
+def sampling_params(server: ServerState, body: SamplingFields, max_tokens: int,
+                    logprobs: int | None,
                     constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's parameters; only non-neutral extras are passed (an engine without penalties
     or logprobs then refuses exactly the requests that need them)."""
@@ -198,6 +199,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
         extra["structured_outputs"] = constraint
     if logprobs is not None:
         extra["logprobs"] = logprobs
+        check_logprobs_volume(server, body.n, max_tokens, logprobs)
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                           ("repetition_penalty", 1.0)):
         if getattr(body, name) != neutral:
@@ -223,6 +225,15 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
         raise APIError(400, str(e)) from e
 
 
+def check_logprobs_volume(server: ServerState, n: int, max_tokens: int, top: int) -> None:
+    """Refuse a request whose answer could hold more log-probabilities than the limit: its
+    body grows as n x max_tokens x (1 + top_logprobs) (18 MB at 40 x 300 x 21)."""
+    entries, most = n * max_tokens * (1 + top), server.limits.max_logprobs_per_request
+    if entries > most:
+        raise server.refuse("logprobs", f"logprobs: n x max_tokens x (1 + top_logprobs) is "
+                            f"{entries}; the limit is {most}", "logprobs")
+
+
 def include_usage(body: SamplingFields) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
@@ -242,10 +253,22 @@ async def run(request: Request, server: ServerState, shape: Shape, ids: list[int
     final = await wait_final(request, server, shape.request_id, outputs)
     if final is None:  # the client hung up; nobody reads this
         return Response(status_code=499)
-    return full_response(shape, final)
+    return await respond(server, shape, final)
 
 
-def failure(item: RequestOutput | Exception) -> APIError | None:
+async def respond(server: ServerState, shape: Shape, final: RequestOutput) -> Response:
+    """The whole answer as JSON. A large one (many samples, tokens and log-probabilities) is
+    built and encoded in a worker thread, in small pieces, so that the event loop (every
+    stream, ``/health``) keeps running meanwhile."""
+    if response_size(shape, final) <= OFF_LOOP_ENTRIES:
+        return JSONResponse(full_response(shape, final))
+    loop = asyncio.get_running_loop()
+    content = await loop.run_in_executor(
+        server.respond_pool, lambda: encode_json(full_response(shape, final)))
+    return Response(content, media_type="application/json")
+
+
+def failure(server: ServerState, item: RequestOutput | Exception) -> APIError | None:
     """The error this output carries, if the engine (or the server) failed this request."""
     if isinstance(item, RequestFailed):
         return APIError(503, str(item), "server_error", code="unavailable")
@@ -253,8 +276,13 @@ def failure(item: RequestOutput | Exception) -> APIError | None:
         return APIError(500, "the engine failed on this request", "server_error")
     error = item.error
     if error is not None or any(c.finish_reason == "error" for c in item.outputs):
-        # the client gets the stage (a RequestFailure's field), the log keeps the detail
+        # the client gets the stage (a RequestFailure's field), the log keeps the detail; a
+        # grammar over its CPU budget is the request's own doing, and the client is told which
+        # limit it passed
         log.warning("request %s failed in the engine: %s", item.request_id, error)
+        if error is not None and error.error_type == "GrammarTooSlowError":
+            return server.refuse("grammar_slow", error.detail, "response_format",
+                                 "grammar_too_slow")
         where = ("the engine failed this request" if error is None
                  else f"the engine failed this request ({error.stage})")
         return APIError(500, where, "server_error", code="engine_error")
@@ -268,7 +296,7 @@ async def _disconnected(request: Request) -> None:
 
 
 async def wait_final(request: Request, server: ServerState, request_id: str,
-                     outputs: asyncio.Queue) -> RequestOutput | None:
+                     outputs: RequestOutputCollector) -> RequestOutput | None:
     """The last output, or None if the client hung up first (then the request is aborted)."""
     gone = asyncio.ensure_future(_disconnected(request))
     final = None
@@ -280,7 +308,7 @@ async def wait_final(request: Request, server: ServerState, request_id: str,
                 get.cancel()
                 return None
             item = get.result()
-            if (error := failure(item)) is not None:
+            if (error := failure(server, item)) is not None:
                 raise error
             final = item if item.finished else None
         return final
@@ -290,27 +318,39 @@ async def wait_final(request: Request, server: ServerState, request_id: str,
             server.engine.abort(request_id)
 
 
-async def stream_events(server: ServerState, shape: Shape, outputs: asyncio.Queue,
+async def stream_events(server: ServerState, shape: Shape, outputs: RequestOutputCollector,
                         n: int) -> AsyncIterator[str]:
+    """Server-sent events until the request ends; whatever fails ends the stream with an error
+    event and ``[DONE]``, never a cut connection."""
     sent_role = [False] * n
     out, finished = None, False
     try:
         while not finished:
             item = await outputs.get()
-            if (error := failure(item)) is not None:
+            if (error := failure(server, item)) is not None:
                 yield sse(error.body)
                 break
             out, finished = item, item.finished
-            for c in out.outputs:
-                if not c.delta_token_ids and not c.delta_text and not c.finish_reason:
-                    continue
-                choice = chunk_choice(shape, c, not sent_role[c.index])
-                sent_role[c.index] = True
-                yield sse(shape.body(chunk_object(shape), [choice]))
+            for event in _events(shape, out, sent_role):
+                yield event
         if finished and shape.usage:
             yield sse(shape.body(chunk_object(shape), [], usage_of(out)))
-        yield DONE
+    except Exception:  # a bug in building an event: this stream's alone
+        log.exception("request %s: building its stream failed", shape.request_id)
+        finished = False
+        yield sse(APIError(500, "the server failed on this request", "server_error").body)
     finally:
         if not finished:  # the client went away, or the request failed: free its blocks now
             server.engine.abort(shape.request_id)
+    yield DONE
 
+
+def _events(shape: Shape, out: RequestOutput, sent_role: list[bool]) -> list[str]:
+    events = []
+    for c in out.outputs:
+        if not c.delta_token_ids and not c.delta_text and not c.finish_reason:
+            continue
+        choice = chunk_choice(shape, c, not sent_role[c.index])
+        sent_role[c.index] = True
+        events.append(sse(shape.body(chunk_object(shape), [choice])))
+    return events

@@ -1,5 +1,8 @@
 """What the route handlers share, kept on ``app.state.server``: the engine, the model's name and
-limits, and the tokenizer work that must happen off the event loop."""
+limits, and the work that must happen off the event loop, each in its own bounded place, so
+that one kind of slow work cannot starve another: tokenizing (two threads), chat templates (two
+threads, each waiting on a child process with a deadline), grammar compilation (one thread, a
+bounded number waiting: 429 beyond) and building large responses (one thread)."""
 
 from __future__ import annotations
 
@@ -10,13 +13,25 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from infer_lab.model.tokenizer import Tokenizer
+from infer_lab.engine.structured import (
+    GrammarLimitError,
+    GrammarTooSlowError,
+    StructuredOutputError,
+    StructuredOutputsParams,
+)
+from infer_lab.model.tokenizer import TemplateLimitError, Tokenizer
 from infer_lab.serve.async_engine import AsyncEngine
 from infer_lab.serve.errors import APIError, unavailable
+from infer_lab.serve.limits import ServerLimits
+from infer_lab.serve.template import TemplateRenderer
 
 # A token never stands for more bytes of input than its own spelling has (in UTF-8) in any
 # tokenizer we load; a normalizer may shrink the input a little (NFKC), hence the slack.
 _NORMALIZER_SLACK = 2
+
+
+def _pool(name: str, threads: int = 1) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix=name)
 
 
 @dataclass
@@ -24,21 +39,40 @@ class ServerState:
     engine: AsyncEngine
     model_name: str
     context: int
+    limits: ServerLimits = field(default_factory=ServerLimits)
     created: int = field(default_factory=lambda: int(time.time()))
-    pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenize"))
+    pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("tokenize", 2))
+    template_pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("template", 2))
+    compile_pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("compile"))
+    respond_pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("respond"))
     max_prompt_bytes: int = 0
     max_concurrency: int | None = None  # requests in the app at once (set by make_server)
+    compiles: int = 0  # grammar compilations running or queued
 
     def __post_init__(self) -> None:
         if not self.max_prompt_bytes:
             vocab = self.tokenizer.backend.get_vocab()
             longest = max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
             self.max_prompt_bytes = self.context * max(1, longest) * _NORMALIZER_SLACK
+        self.engine.engine.structured.limits = self.limits.grammar_limits()
+        self.renderer = TemplateRenderer(self.tokenizer, timeout=self.limits.template_timeout,
+                                         max_bytes=self.max_prompt_bytes)
 
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.engine.tokenizer
+
+    def close(self) -> None:
+        for pool in (self.pool, self.template_pool, self.compile_pool, self.respond_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.renderer.close()
+
+    def refuse(self, reason: str, message: str, param: str | None = None,
+               code: str | None = None) -> APIError:
+        """A 400 for a request over one of the limits, counted under ``reason``."""
+        if self.engine.metrics:
+            self.engine.metrics.refuse(reason)
+        return APIError(400, message, param=param, code=code or "limit_exceeded")
 
     def check_open(self) -> None:
         """503 while draining or with a dead engine: a load balancer should look elsewhere."""
@@ -67,15 +101,54 @@ class ServerState:
         return ids[0]
 
     async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Render the chat template and tokenize it, both off the event loop."""
+        """Render the chat template (in a child process, with a deadline, its output within
+        the prompt's byte limit) and tokenize it, both off the event loop."""
         self.check_prompt_bytes(sum(len(m["content"].encode("utf-8")) for m in messages),
                                 "messages")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self._chat_ids, messages)
+        try:
+            text = await loop.run_in_executor(self.template_pool, self.renderer.render, messages)
+        except TemplateLimitError as e:
+            raise self.refuse(e.reason, str(e), "messages", "chat_template_limit") from e
+        except ValueError as e:  # no template, or the template refused the conversation
+            raise APIError(400, str(e), param="messages") from e
+        self.check_prompt_bytes(len(text.encode("utf-8")), "messages")  # the rendered prompt
+        ids = await loop.run_in_executor(self.pool, self.tokenizer.encode_batch, [text], False)
+        return ids[0]
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+    async def prepare(self, spec: StructuredOutputsParams | None, param: str) -> None:
+        """Check and compile an output constraint before admission: in its own thread, at
+        most ``limits.max_compiles`` at once (429 beyond), each counted as a waiting request;
+        a constraint compiled and tried before costs no wait. A 400 for a bad constraint."""
+        if spec is None:
+            return
+        structured = self.engine.engine.structured
+        try:
+            if structured.is_prepared(spec):
+                structured.prepare(spec)  # a cache hit: cheap, on the loop
+                return
+            if self.compiles >= self.limits.max_compiles:
+                raise self.engine.refuse("compile_busy", f"{self.compiles} grammars are being "
+                                         "compiled (the limit is "
+                                         f"{self.limits.max_compiles}); retry later")
+            await self._compile(spec)
+        except GrammarLimitError as e:
+            raise self.refuse(e.reason, str(e), param, "invalid_schema") from e
+        except GrammarTooSlowError as e:
+            raise self.refuse("grammar_slow", str(e), param, "invalid_schema") from e
+        except StructuredOutputError as e:
+            raise self.refuse("grammar_invalid", str(e), param, "invalid_schema") from e
+
+    async def _compile(self, spec: StructuredOutputsParams) -> None:
+        self.compiles += 1
+        self.engine.compiling += 1
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.compile_pool,
+                                       self.engine.engine.structured.prepare, spec)
+        finally:
+            self.compiles -= 1
+            self.engine.compiling -= 1
 
 
 def server_state(request: Request) -> ServerState:

@@ -37,13 +37,18 @@ class ToolPlan:
                     *messages[1:]]
         return [{"role": "system", "content": note}, *messages]
 
-    def call(self, text: str, call_id: str) -> dict[str, Any]:
-        """OpenAI's tool call from a complete (grammar-valid) output."""
-        if self.name is not None:
-            name, arguments = self.name, text
-        else:
+    def call(self, text: str, call_id: str) -> dict[str, Any] | None:
+        """OpenAI's tool call from a complete (grammar-valid) output; None if ``text`` is not
+        one (it does not parse, or lacks the name or the arguments)."""
+        try:
             data = json.loads(text)
-            name, arguments = data["name"], json.dumps(data["arguments"], ensure_ascii=False)
+            if self.name is not None:
+                name, arguments = self.name, text
+            else:
+                name = data["name"]
+                arguments = json.dumps(data["arguments"], ensure_ascii=False)
+        except (ValueError, TypeError, KeyError):
+            return None
         return {"id": call_id, "type": "function",
                 "function": {"name": name, "arguments": arguments}}
 
