@@ -16,6 +16,8 @@ bad heads, trees and depths are refused with the reason.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -25,8 +27,9 @@ from infer_lab import kernels
 from infer_lab.engine import LLMEngine, SamplingParams, speculative
 from infer_lab.engine.eagle_train import collect_features, new_head, train_eagle_head
 from infer_lab.model.eagle_head import EagleHead, load_eagle_head, save_eagle_head
+from infer_lab.model.transformer import Transformer
 from tests.engine_fixtures import assert_no_leak, logits_after
-from tests.helpers import assert_greedy_equal, make_checkpoint
+from tests.helpers import assert_greedy_equal
 from tests.test_speculative import (
     N_SAMPLES,
     SIGNIFICANCE,
@@ -42,8 +45,9 @@ PROMPTS = ["And God said, Let there be light: and there was light. And God saw t
            "And the LORD spake unto Moses, saying,", "Hello",
            "Blessed are the meek: for they shall"]
 TREE = "[(0,), (1,), (2,), (0, 0), (1, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)]"
-TRAIN_WORDS = ("And the LORD said unto Moses In the beginning God created heaven earth and "
-               "there was light Blessed are they that mourn for they shall be comforted").split()
+TRAIN_WORDS = ["And", "the", "LORD", "said", "unto", "Moses", "In", "the", "beginning", "God",
+               "created", "heaven", "earth", "and", "there", "was", "light", "Blessed", "are",
+               "they", "that", "mourn", "for", "they", "shall", "be", "comforted"]
 
 
 @pytest.fixture(scope="module")
@@ -209,17 +213,18 @@ def test_structured_and_parallel_samples_do_not_speculate_logprobs_do(bundled, h
 
 @pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
 def test_tree_through_the_triton_kernels(bundled, head):
-    """The engine with Triton attention (interpreted on a CPU): the target's tree mask goes
-    to the prefill kernel, the head's one-row tree chunks too; output unchanged."""
+    """The engine with Triton attention (interpreted on a CPU, so one short request): the
+    target's tree mask goes to the prefill kernel, the head's one-row tree chunks too; output
+    unchanged."""
     model, tok = bundled
-    params = SamplingParams(max_tokens=12, temperature=0)
-    base, _ = run(model, tok, PROMPTS[:2], params)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = PROMPTS[1]
+    (base,), _ = run(model, tok, [prompt], params)
     with kernels.use_backend("triton"):
-        outs, engine = run(model, tok, PROMPTS[:2], params, tree(head))
+        (out,), engine = run(model, tok, [prompt], params, tree(head))
     assert engine.get_stats().spec_num_accepted_tokens > 0
-    for prompt, a, b in zip(PROMPTS, outs, base):
-        assert_greedy_equal(a.outputs[0].token_ids, b.outputs[0].token_ids,
-                            logits_after(model, tok.encode(prompt)))
+    assert_greedy_equal(out.outputs[0].token_ids, base.outputs[0].token_ids,
+                        logits_after(model, tok.encode(prompt)))
 
 
 # ---------------------------------------------------------------------- the sampled rule
@@ -241,8 +246,9 @@ def test_sampled_chain_preserves_the_distribution(bundled, monkeypatch):
     assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens
     for j in (1, 2, 3):
         assert homogeneity_pvalue(off[:, j], on[:, j]) > SIGNIFICANCE, f"token {j + 1}"
-    again, _ = sample_many(target, tok, spec, N_SAMPLES, **params)
-    assert (again == on).all()  # reproducible: same seeds, same batch
+    once, _ = sample_many(target, tok, spec, 200, **params)
+    again, _ = sample_many(target, tok, spec, 200, **params)
+    assert (again == once).all()  # reproducible: the same seeds give the same tokens
     monkeypatch.setattr(speculative, "rejection_sample", lambda p, q, x, gen=None: (x, True))
     broken, _ = sample_many(target, tok, spec, N_SAMPLES, **params)
     assert min(homogeneity_pvalue(off[:, j], broken[:, j]) for j in (1, 2, 3)) < SIGNIFICANCE
@@ -266,13 +272,16 @@ def test_bad_heads_trees_and_depths_are_refused(bundled, head, tmp_path):
     with pytest.raises(FileNotFoundError, match="no EAGLE head"):
         LLMEngine(model, tok, speculative_config=chain(tmp_path / "nothing"))
     path = save_eagle_head(head, tmp_path / "h")
-    make_checkpoint(tmp_path / "other", "llama3", hidden_size=96)
-    other = il.load(tmp_path / "other", device="cpu", dtype=torch.float32)[0]
+    wider = Transformer(dataclasses.replace(model.config, hidden_size=96))
     with pytest.raises(ValueError, match="hidden_size=256, but the target model has "
                                          "hidden_size=96"):
-        load_eagle_head(path, other)
+        load_eagle_head(path, wider)
+    other_vocab = Transformer(dataclasses.replace(model.config, vocab_size=4000))
+    with pytest.raises(ValueError, match="vocab_size=3072, but the target model has "
+                                         "vocab_size=4000"):
+        load_eagle_head(path, other_vocab)
     with pytest.raises(ValueError, match="trained for"):
-        LLMEngine(other, tok, speculative_config=chain(head))  # a head object, wrong target
+        LLMEngine(wider, tok, speculative_config=chain(head))  # a head object, wrong target
 
 
 def test_head_file_round_trip(bundled, head, tmp_path):

@@ -123,7 +123,7 @@ def paged_attention_ref(
         mask = None
         if q_len > 1 or (window is not None and window < ctx_len) or tree_mask is not None:
             mask = causal_mask(q_len, ctx_len, window, q.device)
-        if tree_mask is not None:
+        if tree_mask is not None and mask is not None:
             width = tree_mask.shape[1]
             keep = min(width, ctx_len)  # the region's columns that are real keys
             region = tree_mask[cu[b] : cu[b + 1], width - keep :].clone()
@@ -211,6 +211,7 @@ class PagedAttentionContext:
         """``allowed`` with each sequence's last W keys as ``tree_mask`` says."""
         _, rows, _, _, _ = self._step_layout()
         tree, lens = self.batch.tree_mask, self.batch.context_lens
+        assert tree is not None  # only called for a batch with a tree
         width = tree.shape[1]
         col = keys[None, :] - (lens[:, None] - width)  # [B, keys]: column in the region
         inside = (col >= 0) & (keys[None, :] < lens[:, None])

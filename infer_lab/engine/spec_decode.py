@@ -138,22 +138,28 @@ class SpeculativeDecoder:
             for j in range(len(spec) + 1):
                 rows.append(seq)
                 prefixes.append([spec[n] for n in tree.path_to(j - 1)])
-                gens.append(by_depth[depths[j]] if by_depth else seq.generator)
+                gens.append(self._generator_at(by_depth[depths[j]], seq.generator) if by_depth
+                            else seq.generator)
             if seeded:
                 states[seq] = seq.generator.get_state()  # rewound once we know what is kept
         return rows, prefixes, states, gens
 
-    def _draws(self, generator: torch.Generator, n: int) -> list[torch.Generator]:
-        """``n`` generators: the i-th starts where ``generator`` is after i noise draws."""
+    def _draws(self, generator: torch.Generator, n: int) -> list[torch.Tensor]:
+        """``n`` generator states: the i-th is ``generator``'s after i noise draws."""
         probe = torch.Generator(device=generator.device)
         probe.set_state(generator.get_state())
-        gens = []
+        states = []
         for _ in range(n):
-            g = torch.Generator(device=generator.device)
-            g.set_state(probe.get_state())
-            gens.append(g)
+            states.append(probe.get_state())
             torch.empty(self.vocab, device=self.device).exponential_(generator=probe)
-        return gens
+        return states
+
+    @staticmethod
+    def _generator_at(state: torch.Tensor, like: torch.Generator) -> torch.Generator:
+        """A generator of its own for one row (siblings must not advance each other's)."""
+        g = torch.Generator(device=like.device)
+        g.set_state(state)
+        return g
 
     def _verify_sampled(self, logits: torch.Tensor, rows: list[Sequence],
                         prefixes: list[list[int]], tokens: list[int],
