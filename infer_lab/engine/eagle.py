@@ -22,6 +22,14 @@ Only the head's cache slots up to N - 1 stay valid after a step: the guessed fea
 are replaced by the target's real ones at the next catch-up. The target's verification may
 keep a path through a tree that is not the first branch; the spec decoder then moves the K/V
 and the features of that path to the slots where the sequence continues (:meth:`move_slots`).
+
+Which requests speculate (the same rules as every proposer's): greedy and sampled ones, with
+logprobs and with penalties (tested: the same tokens and log-probs as without speculation);
+trees verify by the deterministic rule (the target samples each node with the request's noise
+of that depth), ``draft_sampling: "sampled"`` is for chains only. Structured output and ``n > 1``
+turn speculation off for that request alone (the draft does not know the grammar; forked samples
+would need a feature pool per branch). ``num_speculative_tokens`` above the head's trained depth
+is refused, not clamped; a tree wider than the step's token budget is refused at start-up.
 """
 
 from __future__ import annotations
