@@ -586,6 +586,47 @@ def test_ch09_checks_fail_on_wrong_answers_and_pass_the_solutions(ch9, capsys):
     assert capsys.readouterr().out.count("right") == 3
 
 
+# -------------------------------------------------------------------------------- chapter 9b
+CH9B = "09b_eagle_and_draft_trees"
+
+
+@pytest.fixture(scope="module")
+def ch9b() -> dict[str, Any]:
+    """The chapter's checks (no model needed: the solutions use the package's tree and head)."""
+    import numpy as np
+    import torch
+
+    from infer_lab.engine.draft_tree import DraftTree
+    from infer_lab.model.eagle_head import EagleHead
+
+    namespace: dict[str, Any] = {"torch": torch, "np": np, "il": il, "DraftTree": DraftTree,
+                                 "EagleHead": EagleHead}
+    return run_cells(namespace, cell_with(CH9B, "def check_1"))
+
+
+def test_ch09b_checks_accept_an_unanswered_exercise(ch9b, capsys):
+    for k in (1, 2, 3):
+        ch9b[f"check_{k}"](None)
+    assert capsys.readouterr().out.count("replace None") == 3
+
+
+def test_ch09b_checks_fail_on_wrong_answers_and_pass_the_solutions(ch9b, capsys):
+    run_cells(dict(ch9b), *(cell_with(CH9B, f"# Solution {k}.") for k in (1, 2, 3)))
+    assert capsys.readouterr().out.count("right") == 3  # each solution cell runs its check
+    h, kv, mlp = 576, 192, 1536
+    head = (2 * h * h + h) + (2 * h * h + 2 * h * kv) + 3 * h * mlp + 2 * h
+    speedup = (1 - 0.7**5) / (0.3 * 1.4)
+    cases = [  # wrong: the sibling's branch, without itself, every node up to it ...
+        ("check_1", [0, 2, 4], [[1, 3, 4], [0, 2], [0, 1, 2, 3, 4]]),
+        # ... the tokens alone (no cost), the cost forgotten for the bonus token, k c alone
+        ("check_2", speedup, [speedup * 1.4, (1 - 0.7**4) / 0.3 / 1.4, speedup * 1.4 / 0.4]),
+        # ... without fc's bias, k and v as wide as q, without the MLP's third matrix
+        ("check_3", head, [head - h, head + 2 * h * (h - kv), head - h * mlp]),
+    ]
+    assert_checks(ch9b, cases)
+    assert capsys.readouterr().out.count("right") == 3
+
+
 # -------------------------------------------------------------------------------- chapter 11
 CH11 = "11_structured_output"
 

@@ -39,6 +39,10 @@ class PagedBatch:
     - ``logits_indices``: int64, the rows whose logits are computed (the last of each chunk
       that completes its sequence's known tokens).
     - ``max_query_len``, ``max_context_len``: host ints, the longest chunk and context.
+    - ``tree_mask``: None (every chunk causal), or bool ``[T, W]`` for tree speculation
+      (Chapter 9): query row t sees the key at index j of its sequence's last W keys iff
+      ``tree_mask[t, j - (context_len - W)]``; earlier keys stay causal. Rows that are not a
+      tree's hold the causal rule, so one mask serves a mixed batch.
     """
 
     input_ids: torch.Tensor
@@ -51,6 +55,7 @@ class PagedBatch:
     block_size: int
     max_query_len: int
     max_context_len: int
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

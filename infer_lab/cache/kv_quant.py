@@ -186,6 +186,13 @@ class Int8PagedKVCache(PagedKVCache):
             src, dst = (torch.tensor(x, device=self.kv.device) for x in zip(*pairs, strict=True))
             self.scales[:, :, dst] = self.scales[:, :, src]
 
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        if src:
+            super().copy_slots(src, dst)
+            s, d = (torch.tensor(x, device=self.kv.device) for x in (src, dst))
+            flat = self.scales.flatten(2, 3)
+            flat[:, :, d] = flat[:, :, s]
+
 
 def make_paged_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int = 16,
                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from infer_lab import kernels
 from infer_lab.cache.batch import PAD_BLOCK, PagedBatch, build_paged_batch, check_blocks
+from infer_lab.kernels.dispatch import triton_module
 from infer_lab.model.attention import causal_mask
 from infer_lab.model.config import ModelConfig
 from infer_lab.utils import cdiv
@@ -69,6 +70,14 @@ class PagedKVCache:
             src, dst = (torch.tensor(x, device=self.kv.device) for x in zip(*pairs, strict=True))
             self.kv[:, :, dst] = self.kv[:, :, src]
 
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy single token slots ``src -> dst`` in every layer (a draft tree's accepted path
+        moved to where its sequence continues)."""
+        if src:
+            s, d = (torch.tensor(x, device=self.kv.device) for x in (src, dst))
+            flat = self.kv.flatten(2, 3)  # [layers, 2, slots, Hkv, D], a view
+            flat[:, :, d] = flat[:, :, s]
+
 
 def paged_attention_ref(
     q: torch.Tensor,
@@ -79,6 +88,7 @@ def paged_attention_ref(
     cu_seqlens_q: torch.Tensor,
     scale: float | None = None,
     window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened ragged batch over a paged cache, in plain torch.
 
@@ -86,6 +96,9 @@ def paged_attention_ref(
     already hold every key up to ``context_lens[b]``. Sequence b's queries (rows
     ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1``) sit at positions ``context_lens[b] - q_len ..
     context_lens[b] - 1``; the query at p sees keys at p - window < j <= p. Returns ``[T, Hq, D]``.
+
+    ``tree_mask`` (bool ``[T, W]``, see :class:`PagedBatch`) replaces the causal rule over each
+    sequence's last W keys: a draft tree's node sees its ancestors, not its siblings.
     """
     num_blocks, block_size = k_cache.shape[:2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -108,8 +121,17 @@ def paged_attention_ref(
         values = v_cache[blocks].flatten(0, 1)[:ctx_len].to(q.dtype)
         qb = q[cu[b] : cu[b + 1]]
         mask = None
-        if q_len > 1 or (window is not None and window < ctx_len):
+        if q_len > 1 or (window is not None and window < ctx_len) or tree_mask is not None:
             mask = causal_mask(q_len, ctx_len, window, q.device)
+        if tree_mask is not None and mask is not None:
+            width = tree_mask.shape[1]
+            keep = min(width, ctx_len)  # the region's columns that are real keys
+            region = tree_mask[cu[b] : cu[b + 1], width - keep :].clone()
+            if window is not None:  # the window still applies, by index
+                qi = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+                kj = torch.arange(ctx_len - keep, ctx_len, device=q.device)[None, :]
+                region &= kj > qi - window
+            mask[:, ctx_len - keep :] = region
         o = F.scaled_dot_product_attention(
             qb.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
             scale=scale, enable_gqa=qb.shape[1] != keys.shape[1],
@@ -137,6 +159,9 @@ class PagedAttentionContext:
         self.logits_indices = batch.logits_indices
         self._step: tuple[torch.Tensor, ...] | None = None
         self._masks: dict[int | None, torch.Tensor] = {}
+        # Set to ask the model for its last hidden states (an EAGLE draft's features, Ch. 9).
+        self.want_hidden_states = False
+        self.hidden_states: torch.Tensor | None = None
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
@@ -145,6 +170,10 @@ class PagedAttentionContext:
         b = self.batch
         backend = kernels.resolve_backend(self.backend, q)
         kernels.store_kv(k, v, kc, vc, b.slot_mapping, backend=backend)
+        if backend == "triton" and getattr(b, "tree_mask", None) is not None:
+            return triton_module("triton_attention").paged_attention_triton(
+                q, kc, vc, b.block_tables, b.context_lens, b.cu_seqlens_q, window=window,
+                max_query_len=b.max_query_len, tree_mask=b.tree_mask)
         if backend == "triton":
             return kernels.paged_attention_triton(
                 q, kc, vc, b.block_tables, b.context_lens, b.cu_seqlens_q, window=window,
@@ -171,10 +200,24 @@ class PagedAttentionContext:
         if window not in self._masks:
             _, _, pos, _, keys = self._step_layout()
             allowed = keys[None, None, :] <= pos[:, :, None]
+            if self.batch.tree_mask is not None:
+                allowed = self._tree(allowed, keys)
             if window is not None:
                 allowed &= keys[None, None, :] > pos[:, :, None] - window
             self._masks[window] = allowed[:, None]
         return self._masks[window]
+
+    def _tree(self, allowed: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``allowed`` with each sequence's last W keys as ``tree_mask`` says."""
+        _, rows, _, _, _ = self._step_layout()
+        tree, lens = self.batch.tree_mask, self.batch.context_lens
+        assert tree is not None  # only called for a batch with a tree
+        width = tree.shape[1]
+        col = keys[None, :] - (lens[:, None] - width)  # [B, keys]: column in the region
+        inside = (col >= 0) & (keys[None, :] < lens[:, None])
+        picked = tree[rows].gather(2, col.clamp(0, width - 1)[:, None, :].expand(
+            -1, rows.shape[1], -1))  # [B, max_q, keys]
+        return torch.where(inside[:, None, :], picked, allowed)
 
     def _attend_torch(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                       window: int | None) -> torch.Tensor:

@@ -110,7 +110,7 @@ class LLMEngine:
         self.spec: SpeculativeDecoder | None = None
         if self.config.speculative_config is not None:
             self.spec = SpeculativeDecoder(self.config.speculative_config, self.model, self.config,
-                                           self.sampler, self.scheduler)
+                                           self.sampler, self.scheduler, self.runner)
         self.output_processor = OutputProcessor(self.scheduler)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()

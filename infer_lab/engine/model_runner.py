@@ -16,11 +16,18 @@ slot mapping, sequence offsets) is a few numpy vector ops in the builder.
 On CUDA, decode-only steps replay CUDA graphs captured once per batch size
 (:mod:`~infer_lab.engine.cuda_graphs`): a graph launches the whole forward's hundreds of kernels
 in one call.
+
+Speculative decoding adds two things. A sequence's proposals are extra rows with logits; when
+they form a draft tree (``seq.spec_parents``), each node gets the position of its depth and the
+batch a tree attention mask (:func:`~infer_lab.engine.draft_tree.tree_mask`). And an EAGLE head
+sets :attr:`ModelRunner.hidden_states_hook`: the forward then also returns its last hidden
+states through the attention context, and the hook gets them with the step and its batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,12 +37,14 @@ from infer_lab.cache.kv_quant import attention_backend_for, make_paged_kv_cache
 from infer_lab.cache.paged import PagedAttentionContext
 from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.cuda_graphs import CUDAGraphs, graph_batch_sizes
+from infer_lab.engine.draft_tree import DraftTree, tree_mask
 from infer_lab.engine.scheduler import SchedulerOutput
 from infer_lab.engine.sequence import Sequence
 from infer_lab.model.transformer import Transformer
 from infer_lab.utils import cdiv
 
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionContext], torch.Tensor]
+HiddenStatesHook = Callable[[SchedulerOutput, PagedBatch, torch.Tensor], Any]
 
 
 class ModelRunner:
@@ -64,6 +73,9 @@ class ModelRunner:
         self._row_tables: list[list[int] | None] = [None] * (max_num_seqs + 1)
         self._row_synced = [0] * (max_num_seqs + 1)
         self.forward: Forward = model  # replaceable, e.g. by a no-op to time the CPU side
+        # Called after each forward with the last hidden states of every row (EAGLE's features);
+        # while set, the forward computes them, and CUDA graphs (which would not) are not used.
+        self.hidden_states_hook: HiddenStatesHook | None = None
         use_cuda_graphs = config.use_cuda_graphs
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
@@ -93,6 +105,7 @@ class ModelRunner:
         sampled: list[Sequence] = []
         wants: list[bool] = []
         spec_rows: dict[int, int] = {}  # chunk -> proposals in it (they all get logits rows)
+        trees: dict[int, tuple[int, int, DraftTree]] = {}  # chunk -> first row, start, tree
         for seq, n in zip(out.seqs, out.num_new):
             table, slot = seq.block_table, seq.slot
             if row_tables[slot] is not table:
@@ -110,6 +123,9 @@ class ModelRunner:
                 ids.append(seq.token_ids[start])
             elif spec:  # speculative: the last real token, then the proposals
                 ids += seq.token_ids[start:]
+                if seq.spec_parents:
+                    tree = DraftTree(tuple(spec), tuple(seq.spec_parents))
+                    trees[len(wants)] = (len(ids) - 1, start, tree)
                 ids += spec
                 spec_rows[len(wants)] = len(spec)
             else:
@@ -127,7 +143,22 @@ class ModelRunner:
         )
         if spec_rows:  # logits at every proposed position too, not only the chunk's last
             batch.logits_indices = self._spec_logits_indices(lens, wants, spec_rows)
+        if trees:
+            self._lay_out_trees(batch, lens, trees)
         return batch, sampled
+
+    def _lay_out_trees(self, batch: PagedBatch, lens: list[int],
+                       trees: dict[int, tuple[int, int, DraftTree]]) -> None:
+        """Each tree node at the position of its depth, and the batch's tree attention mask."""
+        rows, positions, regions = [], [], {}
+        for b, (first, start, tree) in trees.items():
+            rows += range(first + 1, first + 1 + len(tree.tokens))
+            positions += [start + d for d in tree.depths()]
+            regions[b] = tree.ancestor_mask()
+        index = torch.tensor(rows, device=self.device)
+        batch.positions[index] = torch.tensor(positions, device=self.device)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        batch.tree_mask = tree_mask(cu, regions, self.device)
 
     def _add_fillers(self, out: SchedulerOutput, starts: list[int], rows: list[int],
                      lens: list[int], ids: list[int], wants: list[bool]) -> None:
@@ -161,11 +192,15 @@ class ModelRunner:
         first (:meth:`copy_blocks`), so that tensor-parallel ranks copy theirs too.
         """
         batch, sampled = self.prepare(out)
-        graphs = self.cuda_graphs
-        if graphs is not None and graphs.can_replay(batch, len(sampled)):
+        graphs, hook = self.cuda_graphs, self.hidden_states_hook
+        if graphs is not None and hook is None and graphs.can_replay(batch, len(sampled)):
             return graphs.replay(batch), sampled
         ctx = PagedAttentionContext(self.cache, batch, backend=self.attn_backend)
-        return self.forward(batch.input_ids, batch.positions, ctx), sampled
+        ctx.want_hidden_states = hook is not None
+        logits = self.forward(batch.input_ids, batch.positions, ctx)
+        if hook is not None:
+            hook(out, batch, ctx.hidden_states)
+        return logits, sampled
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: each ``(src, dst)`` block's K/V into ``dst`` before the forward."""

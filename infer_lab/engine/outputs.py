@@ -40,11 +40,18 @@ class SpecDecodeCounts:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # entry i: drafts that had at least i + 1 tokens accepted (the acceptance-length histogram
+    # is the differences)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def add(self, proposed: int, accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos += [0] * (accepted - len(per_pos))
+        for i in range(accepted):
+            per_pos[i] += 1
 
 
 class SpecDecodeRates:

@@ -62,10 +62,11 @@ class Sequence:
     block_keys: list[BlockKey] = field(default_factory=list)  # prefix keys of full blocks
     num_cached_blocks: int = 0  # full blocks already named in the prefix cache
     shared_tail: bool = False  # the last block may be shared (after a fork): copy before writing
-    # SpeculativeDecoder: this step's proposals (node tokens of the draft tree, in order; a
-    # chain for the proposers here), a sampled draft's q row at each, how far a draft model's
-    # own cache is filled, and the counts.
+    # SpeculativeDecoder: this step's proposals (node tokens of the draft tree, in order, and
+    # each node's parent, -1 for the root; empty parents: a chain), a sampled draft's q row at
+    # each, how far a draft model's own cache is filled, and the counts.
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_parents: list[int] = field(default_factory=list)
     spec_probs: list[torch.Tensor] = field(default_factory=list)
     draft_computed: int = 0
     spec_counts: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)

@@ -34,6 +34,9 @@ Proposers:
   preemption and rollback need nothing extra), decoded ``k`` steps (greedily, or sampled).
 - ``"early_exit"``: the same, with the target's first ``num_layers`` layers, final norm and LM
   head as the draft (:func:`early_exit_model`, sharing the target's weights).
+- ``"eagle"``: an EAGLE head (``model``: its file, directory or bundled name) drafting from the
+  target's own features (:mod:`~infer_lab.engine.eagle`), as a chain of ``k`` or as the tree
+  ``speculative_token_tree`` (vLLM's names); trees verify by the deterministic rule only.
 """
 
 from __future__ import annotations
@@ -50,16 +53,18 @@ from torch import nn
 from infer_lab.cache.batch import flatten_batch
 from infer_lab.cache.kv_quant import attention_backend_for, make_paged_kv_cache
 from infer_lab.cache.paged import PagedAttentionContext
+from infer_lab.engine.draft_tree import chain_paths, parse_token_tree
 from infer_lab.engine.sampler import sampling_probs
 from infer_lab.utils import cdiv
 
-METHODS = ("ngram", "draft_model", "early_exit")
+METHODS = ("ngram", "draft_model", "early_exit", "eagle")
 DRAFT_SAMPLING = ("greedy", "sampled")
 MAX_SPECULATIVE_TOKENS = 32
 _KEYS = {
     "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
     "draft_model": {"model", "draft_sampling"},
     "early_exit": {"num_layers", "draft_sampling"},
+    "eagle": {"model", "draft_sampling", "speculative_token_tree"},
 }
 _COMMON = {"method", "num_speculative_tokens", "disable_by_batch_size"}
 
@@ -87,6 +92,19 @@ class SpeculativeConfig:
     num_layers: int | None = None
     disable_by_batch_size: int | None = None
     draft_sampling: str = "greedy"
+    speculative_token_tree: Any = None  # eagle: a list of rank paths, or its string
+
+    @property
+    def token_tree(self) -> tuple[tuple[int, ...], ...]:
+        """The draft's shape as rank paths: the tree given, or the chain of k."""
+        if self.speculative_token_tree is None:
+            return chain_paths(self.num_speculative_tokens)
+        return parse_token_tree(self.speculative_token_tree)
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """Proposal slots a sequence needs per step: the tree's nodes (k for a chain)."""
+        return len(self.token_tree)
 
     @classmethod
     def parse(cls, spec: dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -120,12 +138,21 @@ class SpeculativeConfig:
         if self.method == "ngram":
             _int_in("prompt_lookup_min", self.prompt_lookup_min, 1, 1 << 10)
             _int_in("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 1 << 10)
-        elif self.method == "draft_model" and self.model is None:
-            raise ValueError("method 'draft_model' needs 'model' (a path or a model name)")
+        elif self.method in ("draft_model", "eagle") and self.model is None:
+            raise ValueError(f"method {self.method!r} needs 'model' (a path or a model name)")
         elif self.method == "early_exit":
             if self.num_layers is None:
                 raise ValueError("method 'early_exit' needs 'num_layers'")
             _int_in("num_layers", self.num_layers, 1, 1 << 16)
+        if self.speculative_token_tree is not None:
+            tree = self.token_tree
+            depth = max(map(len, tree))
+            if depth != self.num_speculative_tokens:
+                raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) must "
+                                 f"equal the depth of speculative_token_tree ({depth})")
+            if self.draft_sampling == "sampled" and tree != chain_paths(depth):
+                raise ValueError("draft_sampling 'sampled' needs a chain: a tree is verified by "
+                                 "the deterministic rule only (use draft_sampling 'greedy')")
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> None:
@@ -278,13 +305,23 @@ class DraftModelProposer:
         return drafts
 
 
-def make_proposer(cfg: SpeculativeConfig, target: nn.Module, engine_config: Any):
-    """The proposer of ``cfg.method`` for ``target`` (loads a draft model by name if needed)."""
+def make_proposer(cfg: SpeculativeConfig, target: nn.Module, engine_config: Any,
+                  runner: Any = None):
+    """The proposer of ``cfg.method`` for ``target`` (loads a draft model by name if needed;
+    EAGLE takes the ``runner``'s hidden states)."""
     if cfg.method == "ngram":
         return NgramProposer(cfg)
     if engine_config.tensor_parallel_size > 1:
         raise ValueError(f"speculative method {cfg.method!r} is not supported with tensor "
                          "parallelism (use 'ngram')")
+    sampled = cfg.draft_sampling == "sampled"
+    if cfg.method == "eagle":
+        from infer_lab.engine.eagle import EagleProposer
+
+        if any(target.config.sliding_windows) and cfg.token_tree != chain_paths(
+                cfg.num_speculative_tokens):
+            raise ValueError("tree drafts need a model without sliding-window attention")
+        return EagleProposer(cfg.model, target, engine_config, runner, cfg.token_tree, sampled)
     if cfg.method == "early_exit":
         draft = early_exit_model(target, cfg.num_layers)
     elif isinstance(cfg.model, nn.Module):
@@ -293,8 +330,7 @@ def make_proposer(cfg: SpeculativeConfig, target: nn.Module, engine_config: Any)
         from infer_lab.model.loader import load
 
         draft, _ = load(cfg.model, target.device, target.dtype)
-    return DraftModelProposer(draft, target, engine_config,
-                              sampled=cfg.draft_sampling == "sampled")
+    return DraftModelProposer(draft, target, engine_config, sampled=sampled)
 
 
 # ---------------------------------------------------------------------- acceptance

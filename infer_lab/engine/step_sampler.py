@@ -56,14 +56,16 @@ class StepSampler:
         return out
 
     def tokens(self, logits: torch.Tensor, rows: list[Sequence], out: SampledTokens,
-               prefixes: list[list[int]] | None = None) -> list[int]:
+               prefixes: list[list[int]] | None = None,
+               generators: list[torch.Generator | None] | None = None) -> list[int]:
         """One token per row; if the batched call raises, row by row, failing only bad rows.
 
         ``prefixes`` (speculation): the proposals before each row's position, which count as
-        output for the penalties of that row.
+        output for the penalties of that row. ``generators``: each row's noise source (default:
+        its sequence's; a draft tree gives its nodes one per depth).
         """
         params = [s.request.params for s in rows]
-        gens = [s.generator for s in rows]
+        gens = [s.generator for s in rows] if generators is None else generators
         prompts = outs = None
         if any(p.has_penalties for p in params):
             prompts = [s.token_ids[: s.num_prompt_tokens] for s in rows]

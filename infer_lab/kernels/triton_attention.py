@@ -400,12 +400,12 @@ def paged_decode_attention_triton(
 # ----------------------------------------------------------------------------- prefill
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, table_ptr, ctx_ptr, cu_ptr, out_ptr,
-    scale_log2, window, page, group, head_dim, min_q_len,
+    q_ptr, kc_ptr, vc_ptr, table_ptr, ctx_ptr, cu_ptr, out_ptr, tree_ptr,
+    scale_log2, window, page, group, head_dim, min_q_len, tree_w,
     q_stride_t, q_stride_h, c_stride_blk, c_stride_slot, c_stride_h, table_stride,
-    o_stride_t, o_stride_h,
+    o_stride_t, o_stride_h, tree_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -442,8 +442,14 @@ def _prefill_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        visible = ok[None, :] & (offs[None, :] <= pos[:, None])
-        visible = visible & (offs[None, :] > pos[:, None] - window)
+        causal = offs[None, :] <= pos[:, None]
+        if TREE:  # the sequence's last tree_w keys: the tree mask's row instead of causality
+            col = offs[None, :] - (ctx_len - tree_w)
+            in_tree = (col >= 0) & ok[None, :]
+            seen = tl.load(tree_ptr + q_rows[:, None] * tree_stride + col,
+                           mask=row_ok[:, None] & in_tree, other=0)
+            causal = tl.where(in_tree, seen != 0, causal)
+        visible = ok[None, :] & causal & (offs[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         v = _gather_tile(vc_ptr, table_row, offs, ok, kv_head, page, c_stride_blk,
                          c_stride_slot, c_stride_h, dims, dim_ok)
@@ -458,7 +464,7 @@ def paged_prefill_attention_triton(
     context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float | None = None,
     window: int | None = None, *, max_query_len: int | None = None,
     block_m: int | None = None, block_n: int | None = None, min_query_len: int = 1,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Query chunks of a flattened ragged batch (``q`` ``[T, Hq, D]``), each attending causally to
     itself and to its sequence's earlier K/V, all of it already in the paged cache.
@@ -466,6 +472,8 @@ def paged_prefill_attention_triton(
     ``max_query_len``: the longest chunk, known on the host when the batch is built; without it
     it is read from ``cu_seqlens_q``, a device-to-host sync. Chunks shorter than
     ``min_query_len`` are skipped (their rows of ``out`` untouched): the decode kernel does them.
+    ``tree_mask`` (bool ``[T, W]``, :class:`~infer_lab.cache.PagedBatch`): each sequence's last
+    W keys are visible where its row says, not by causality (tree speculation, Chapter 9).
     """
     _check_cache(k_cache, v_cache)
     t, hq, d = q.shape
@@ -488,22 +496,37 @@ def paged_prefill_attention_triton(
     block_n = block_n or tiles.block_n
     block_d = max(16, triton.next_power_of_2(d))
     upcast = interpreting() and k_cache.dtype == torch.bfloat16  # bf16 tl.dot is wrong there
+    tree = _tree(tree_mask, t)
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), b, hq)](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
+        tree if tree is not None else cu_seqlens_q.view(torch.uint8),
         scale * LOG2E, _window(window), k_cache.shape[1], hq // hkv, d, min_query_len,
+        0 if tree is None else tree.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
+        0 if tree is None else tree.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=upcast, PRECISION=_precision(k_cache, upcast),
+        UPCAST=upcast, PRECISION=_precision(k_cache, upcast), TREE=tree is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
+
+
+def _tree(tree_mask: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
+    """The tree mask as the prefill kernel reads it: one byte per entry, rows packed."""
+    if tree_mask is None:
+        return None
+    if tree_mask.dtype != torch.bool or tree_mask.dim() != 2 or tree_mask.shape[0] != num_rows:
+        raise ValueError(f"tree_mask must be bool [{num_rows}, W], got {tree_mask.dtype} "
+                         f"{list(tree_mask.shape)}")
+    return tree_mask.contiguous().view(torch.uint8)
 
 
 def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float | None = None,
     window: int | None = None, *, max_query_len: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_attention_ref``. Every chunk one token (``T == B``; each chunk
     has at least one): the decode kernel. Otherwise, a mixed chunked-prefill step: the decode
@@ -512,8 +535,13 @@ def paged_attention_triton(
     ``max_query_len`` (a host int from the batch) spares the prefill kernel a sync.
 
     Groups of more than ``MAX_DECODE_GROUP`` query heads per KV head go through the prefill
-    kernel alone, which has no such limit.
+    kernel alone, which has no such limit; so does a batch with a ``tree_mask`` (a one-token
+    chunk of a draft tree may see some of its sequence's last keys and not others).
     """
+    if tree_mask is not None:
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
+                                              cu_seqlens_q, scale, window,
+                                              max_query_len=max_query_len, tree_mask=tree_mask)
     hkv = k_cache.shape[2]
     group_ok = q.shape[1] % hkv == 0 and q.shape[1] // hkv <= MAX_DECODE_GROUP
     if q.shape[0] == len(context_lens) and group_ok:

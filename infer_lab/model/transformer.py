@@ -182,6 +182,8 @@ class Transformer(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, positions, self.inv_freq, ctx)
+        if getattr(ctx, "want_hidden_states", False):  # an EAGLE draft reads them (Ch. 9)
+            ctx.hidden_states = self.norm(h, residual)[0]  # every row: what the LM head reads
         if ctx is not None and ctx.logits_indices is not None:
             h, residual = h[ctx.logits_indices], residual[ctx.logits_indices]
         elif last_only:

@@ -1,0 +1,126 @@
+"""Prompts for the EAGLE head: training prompts built from the King James Bible, and the
+held-out free-text prompts the benchmark and Chapter 9 measure on.
+
+Training prompts are written instruction templates filled with material drawn from the KJV
+(public domain; verses from Debian's ``bible-kjv-text``, read through its ``bible`` program) and
+with a fixed list of subjects of that world (shepherds, vineyards, bread). The held-out prompts
+ask about modern subjects (robots, computers, trains) and include Chapter 9's free-text prompts
+("Write a short story about a robot." and "... who learns to paint."); no held-out prompt is a
+training prompt (:func:`training_prompts` checks it), and no held-out subject is a training
+subject. Some instruction forms are shared ("Write a short story about ..."), some are not.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import subprocess
+
+HELD_OUT = [
+    "Write a short story about a robot.",
+    "Write a short story about a robot who learns to paint.",
+    "Write a short story about a girl who builds a rocket.",
+    "Explain how a computer stores information.",
+    "Write an email to your manager asking for a day off.",
+    "What are the benefits of learning a second language?",
+    "Describe a busy train station in the morning.",
+    "Give me three tips for staying focused while studying.",
+    "Write a poem about the lights of a big city at night.",
+    "Explain why the sky is blue.",
+    "What should I pack for a weekend camping trip?",
+    "Write a product description for a new smartphone.",
+    "Tell me about the history of the bicycle.",
+    "How do I make a cup of tea?",
+    "Write a short dialogue between a teacher and a student.",
+    "Describe what a typical day looks like for a nurse.",
+]
+
+VERSE_TEMPLATES = [
+    "Explain this verse in simple words: {v}",
+    "Retell this passage as a short story for children: {v}",
+    "What lesson can we learn from this passage? {v}",
+    "Summarize the following passage in one sentence: {v}",
+    "Rewrite this verse in modern English: {v}",
+    "Write a short poem inspired by this line: {v}",
+    "Who is speaking in this passage, and to whom? {v}",
+    "List the people and places named in this passage: {v}",
+    "Continue this passage in the same style: {v}",
+    "Translate this verse into plain, everyday language: {v}",
+]
+SUBJECT_TEMPLATES = [
+    "Write a short story about {s}.",
+    "Describe {s} in a few sentences.",
+    "Write a letter to a friend about {s}.",
+    "Write a poem about {s}.",
+    "Tell me about {s}.",
+    "Why was {s} important to people in ancient times?",
+]
+SUBJECTS = [
+    "a shepherd and his flock", "a lost sheep", "a vineyard", "a fisherman on a lake",
+    "a storm at sea", "the harvest", "a king and his court", "a widow and her son",
+    "a carpenter", "a loaf of bread", "a walled garden", "a journey through the desert",
+    "a tower of stone", "a river in flood", "a mountain at dawn", "a wedding feast",
+    "a potter at his wheel", "a well in a dry land", "a city gate", "a lamp in the dark",
+    "an olive tree", "a fig tree", "a caravan of camels", "a temple", "a field of wheat",
+    "a young prophet", "two brothers who quarrel", "a great flood", "a herd of goats",
+    "a merchant and his scales", "a jar of oil", "a crown of gold", "a plague of locusts",
+    "a famine in the land", "a shepherd boy and a giant", "a ship bound for Tarshish",
+    "the stars at night", "a cedar of Lebanon", "a threshing floor", "a wise old judge",
+]
+ACTIVITIES = [
+    "tending a vineyard", "keeping sheep", "baking bread", "building a house of stone",
+    "sailing a small boat", "planting olive trees", "making clay pots", "weaving cloth",
+    "keeping bees", "digging a well", "travelling through the desert", "sharing a meal",
+]
+PEOPLE = ["a shepherd", "a fisherman", "a potter", "a scribe", "a farmer", "a carpenter",
+          "a merchant", "a soldier", "a weaver", "a baker", "a king", "a servant"]
+PAIRS = [("wheat", "barley"), ("a sheep", "a goat"), ("a river", "a sea"), ("silver", "gold"),
+         ("a king", "a judge"), ("a tent", "a house"), ("wine", "oil"), ("a psalm", "a proverb"),
+         ("a prophet", "a priest"), ("a lion", "a bear")]
+OTHER_TEMPLATES = [
+    ("Give three tips for {x}.", ACTIVITIES),
+    ("What would a day be like for {x}?", PEOPLE),
+    ("What is the difference between {x}?", [f"{a} and {b}" for a, b in PAIRS]),
+]
+VERSE_RE = re.compile(r"^\S+\d+:\d+\s+(.*)$")
+
+
+def kjv_verses() -> list[str]:
+    """Every verse of the KJV from Debian's ``bible`` program (``apt-get install
+    bible-kjv-text``), one string each."""
+    if shutil.which("bible") is None:
+        raise SystemExit("no `bible` program: apt-get install bible-kjv-text")
+    raw = subprocess.run(["bible", "-f", "gen1:1-rev22:21"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, check=True).stdout
+    verses = []
+    for line in raw.splitlines():
+        m = VERSE_RE.match(line.strip())
+        if m:
+            verses.append(" ".join(m.group(1).split()))
+    return verses
+
+
+def training_prompts(n: int, seed: int = 0, verses: list[str] | None = None) -> list[str]:
+    """``n`` distinct training prompts (about half carry one to three consecutive verses),
+    seeded; none of them is a held-out prompt."""
+    verses = kjv_verses() if verses is None else verses
+    rng = random.Random(seed)
+    out: dict[str, None] = {}
+    while len(out) < n:
+        kind = rng.random()
+        if kind < 0.5:
+            i = rng.randrange(len(verses) - 3)
+            text = " ".join(verses[i : i + rng.choice([1, 1, 2, 3])])
+            prompt = rng.choice(VERSE_TEMPLATES).format(v=text)
+        elif kind < 0.8:
+            prompt = rng.choice(SUBJECT_TEMPLATES).format(s=rng.choice(SUBJECTS))
+        else:
+            template, fill = rng.choice(OTHER_TEMPLATES)
+            prompt = template.format(x=rng.choice(fill))
+        out.setdefault(prompt, None)
+    prompts = list(out)
+    clash = set(prompts) & set(HELD_OUT)
+    if clash:
+        raise AssertionError(f"training prompts include held-out ones: {sorted(clash)}")
+    return prompts
