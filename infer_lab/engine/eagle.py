@@ -222,8 +222,7 @@ class EagleProposer:
             return
         logits = self._logits(torch.stack(want))
         top = max(self.ranks[j] for j in level) + 1
-        ranked = self.head.draft_vocab[logits.topk(min(top, logits.shape[1]), -1).indices]
-        ranked = ranked.tolist()
+        ranked = self.head.draft_vocab[logits.topk(min(top, logits.shape[1]), -1).indices].tolist()
         for (r, parent), cands, row in zip(rows, ranked, logits):
             seq = seqs[live[r]]
             kids = [j for j in level if j < nodes[r] and self.parents[j] == parent]

@@ -131,7 +131,8 @@ def batches(samples: Sequence[Sample], tokens_per_batch: int, rng: random.Random
     """Samples grouped by length (little padding), about ``tokens_per_batch`` tokens each,
     in a random order."""
     order = sorted(samples, key=lambda s: len(s.token_ids))
-    groups, group = [], []
+    groups: list[list[Sample]] = []
+    group: list[Sample] = []
     for s in order:
         longest = max([min(len(x.token_ids), max_len) for x in group + [s]])
         if group and longest * (len(group) + 1) > tokens_per_batch:
@@ -144,7 +145,8 @@ def batches(samples: Sequence[Sample], tokens_per_batch: int, rng: random.Random
     return groups
 
 
-def _pad(group: Sequence[Sample], skip: int, vocab_index: torch.Tensor, max_len: int):
+def _pad(group: Sequence[Sample], skip: int, vocab_index: torch.Tensor, max_len: int
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inputs and targets of one batch: slot p pairs (feature p - 1, token p) and predicts
     feature p and label p (the target's token after p)."""
     length = min(max(len(s.token_ids) for s in group) - 1, max_len)
@@ -217,7 +219,7 @@ def train_eagle_head(head: EagleHead, target: Any, samples: Sequence[Sample], *,
                     deadline is not None and time.perf_counter() > deadline):
                 head.eval()
                 return history
-            if total is None and step == 5:  # the schedule's length from the pace so far
+            if total is None and step == 5 and minutes is not None:  # from the pace so far
                 pace = (time.perf_counter() - start) / step
                 total = max(step + 1, int(60 * minutes / pace))
             warm = min(1.0, (step + 1) / 20)

@@ -150,7 +150,9 @@ class ModelRunner:
     def _lay_out_trees(self, batch: PagedBatch, lens: list[int],
                        trees: dict[int, tuple[int, int, DraftTree]]) -> None:
         """Each tree node at the position of its depth, and the batch's tree attention mask."""
-        rows, positions, regions = [], [], {}
+        rows: list[int] = []
+        positions: list[int] = []
+        regions: dict[int, np.ndarray] = {}
         for b, (first, start, tree) in trees.items():
             rows += range(first + 1, first + 1 + len(tree.tokens))
             positions += [start + d for d in tree.depths()]
@@ -198,7 +200,7 @@ class ModelRunner:
         ctx = PagedAttentionContext(self.cache, batch, backend=self.attn_backend)
         ctx.want_hidden_states = hook is not None
         logits = self.forward(batch.input_ids, batch.positions, ctx)
-        if hook is not None:
+        if hook is not None and ctx.hidden_states is not None:
             hook(out, batch, ctx.hidden_states)
         return logits, sampled
 

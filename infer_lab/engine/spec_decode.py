@@ -129,19 +129,20 @@ class SpeculativeDecoder:
         rows, prefixes, states, gens = [], [], {}, []
         for seq in seqs:
             spec, tree = seq.spec_token_ids, self.tree(seq)
-            seeded = (spec and not seq.spec_probs and seq.generator is not None
+            generator = seq.generator
+            seeded = (spec and not seq.spec_probs and generator is not None
                       and not seq.request.params.greedy)
             by_depth = None
-            if seeded and not tree.is_chain:  # the d-th draw for every node at depth d
-                by_depth = self._draws(seq.generator, max(tree.depths()) + 1)
+            if seeded and generator is not None and not tree.is_chain:  # the d-th draw per depth
+                by_depth = self._draws(generator, max(tree.depths()) + 1)
             depths = [0] + tree.depths()
             for j in range(len(spec) + 1):
                 rows.append(seq)
                 prefixes.append([spec[n] for n in tree.path_to(j - 1)])
-                gens.append(self._generator_at(by_depth[depths[j]], seq.generator) if by_depth
-                            else seq.generator)
-            if seeded:
-                states[seq] = seq.generator.get_state()  # rewound once we know what is kept
+                gens.append(self._generator_at(by_depth[depths[j]], generator)
+                            if by_depth and generator is not None else generator)
+            if seeded and generator is not None:
+                states[seq] = generator.get_state()  # rewound once we know what is kept
         return rows, prefixes, states, gens
 
     def _draws(self, generator: torch.Generator, n: int) -> list[torch.Tensor]:
@@ -222,7 +223,7 @@ class SpeculativeDecoder:
             r += width
             if not spec:
                 continue
-            if seq in states:  # as many draws as tokens kept, as without speculation
+            if seq in states and seq.generator is not None:  # as many draws as tokens kept
                 seq.generator.set_state(states[seq])
                 for _ in kept:
                     torch.empty(self.vocab, device=self.device).exponential_(

@@ -44,7 +44,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -56,6 +56,9 @@ from infer_lab.cache.paged import PagedAttentionContext
 from infer_lab.engine.draft_tree import chain_paths, parse_token_tree
 from infer_lab.engine.sampler import sampling_probs
 from infer_lab.utils import cdiv
+
+if TYPE_CHECKING:
+    from infer_lab.model.transformer import Transformer
 
 METHODS = ("ngram", "draft_model", "early_exit", "eagle")
 DRAFT_SAMPLING = ("greedy", "sampled")
@@ -194,7 +197,7 @@ class NgramProposer:
 
 
 # ---------------------------------------------------------------------- draft models
-def early_exit_model(target: nn.Module, num_layers: int) -> nn.Module:
+def early_exit_model(target: Transformer, num_layers: int) -> Transformer:
     """The target's first ``num_layers`` layers, final norm and LM head, sharing its weights."""
     total = target.config.num_hidden_layers
     if not 1 <= num_layers < total:
@@ -221,7 +224,7 @@ class DraftModelProposer:
     chunks too), so its cache stays complete; ``Sequence.draft_computed`` says how far it is.
     """
 
-    def __init__(self, draft: nn.Module, target: nn.Module, engine_config: Any,
+    def __init__(self, draft: Transformer, target: Transformer, engine_config: Any,
                  sampled: bool = False) -> None:
         vocab, dvocab = target.config.vocab_size, draft.config.vocab_size
         if dvocab != vocab:
@@ -305,7 +308,7 @@ class DraftModelProposer:
         return drafts
 
 
-def make_proposer(cfg: SpeculativeConfig, target: nn.Module, engine_config: Any,
+def make_proposer(cfg: SpeculativeConfig, target: Transformer, engine_config: Any,
                   runner: Any = None):
     """The proposer of ``cfg.method`` for ``target`` (loads a draft model by name if needed;
     EAGLE takes the ``runner``'s hidden states)."""
@@ -322,7 +325,9 @@ def make_proposer(cfg: SpeculativeConfig, target: nn.Module, engine_config: Any,
                 cfg.num_speculative_tokens):
             raise ValueError("tree drafts need a model without sliding-window attention")
         return EagleProposer(cfg.model, target, engine_config, runner, cfg.token_tree, sampled)
+    draft: Any  # a Transformer: the target's first layers, one given, or one loaded
     if cfg.method == "early_exit":
+        assert cfg.num_layers is not None  # SpeculativeConfig checks it for early_exit
         draft = early_exit_model(target, cfg.num_layers)
     elif isinstance(cfg.model, nn.Module):
         draft = cfg.model

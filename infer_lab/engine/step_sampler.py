@@ -98,11 +98,11 @@ class StepSampler:
             return result
         try:
             raw = torch.log_softmax(logits[asked].float(), dim=-1)
-            k = min(max(rows[i].request.params.logprobs for i in asked), raw.shape[1])
+            k = min(max(rows[i].request.params.logprobs or 0 for i in asked), raw.shape[1])
             chosen = raw.gather(1, torch.tensor([[tokens[i]] for i in asked],
                                                 device=raw.device)).squeeze(1).tolist()
-            top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+            top = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+            top_lp, top_ids = top[0].tolist(), top[1].tolist()
         except Exception as e:
             for i in asked:
                 out.fail(rows[i].request, "log-probabilities", e)

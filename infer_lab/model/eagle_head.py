@@ -53,6 +53,8 @@ class EagleHead(nn.Module):
     a longer draft).
     """
 
+    draft_vocab: torch.Tensor  # a buffer (registered in __init__)
+
     def __init__(self, cfg: ModelConfig, draft_vocab: torch.Tensor, trained_depth: int,
                  meta: dict[str, Any] | None = None) -> None:
         super().__init__()
