@@ -56,9 +56,10 @@ def pin_prompt_blocks(engine: LLMEngine, token_ids: Sequence[int],
     """Hold (one more reference) the cached blocks of ``token_ids``'s longest cached prefix of
     full blocks; returns their ids and keys. The caller frees them with
     ``engine.kv.pool.free_blocks``. Blocks evicted since the prompt ran are simply not there:
-    the receiver computes those tokens."""
+    the receiver computes those tokens. The last prompt token is left out: the receiver must
+    compute it anyway (its logits give the first token), so a last full block is never sent."""
     pool, blocks, keys = engine.kv.pool, [], []
-    for key in prompt_keys(engine, token_ids)[:max_blocks]:
+    for key in prompt_keys(engine, token_ids[:-1])[:max_blocks]:
         block = pool.get_cached_block(key)
         if block is None:
             break
