@@ -63,7 +63,7 @@ def cluster():
         with ThreadPoolExecutor(2) as pool:
             futures = [
                 pool.submit(launch, *common, "--kv-role", "prefill", "--kv-transfer-port",
-                            str(kv_port), "--kv-pin-timeout", "8", timeout=300),
+                            str(kv_port), "--kv-pin-timeout", "12", timeout=300),
                 pool.submit(launch, *common, "--kv-role", "decode", "--kv-peers",
                             f"127.0.0.1:{kv_port}", timeout=300),
             ]
@@ -162,7 +162,7 @@ def test_faults_recompute_or_refuse_never_wrong_tokens(cluster):
     r = post(decode, "/v1/completions", {"prompt": prompt, **GREEDY, "kv_transfer_params": {
         "do_remote_decode": True}})
     assert r.status_code == 400
-    # pinned but never pulled: the prefill side frees the blocks after its timeout (8 s here)
+    # pinned but never pulled: the prefill side frees the blocks after its timeout (12 s here)
     prefill_params(cluster, "Abandoned. " + TEXT)
     assert blocks_back(cluster["prefill"], cluster["decode"])
 
