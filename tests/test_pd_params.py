@@ -69,3 +69,25 @@ def test_a_server_without_a_kv_role_refuses_the_params():
         ok = httpx.post(f"{base}/v1/completions", timeout=60,
                         json={"prompt": "hello", "max_tokens": 2})
         assert ok.status_code == 200 and "kv_transfer_params" not in ok.json()
+
+
+def test_the_flags_give_the_engine_a_tier_and_a_role(tmp_path, monkeypatch):
+    import argparse
+
+    from infer_lab.serve.disagg import install_kv
+
+    parser = argparse.ArgumentParser()
+    add_kv_arguments(parser)
+    app = make_app(None, device="cpu", num_kv_blocks=32, max_num_seqs=4)
+    install_kv(app, parser.parse_args(["--kv-tier-dir", str(tmp_path)]))
+    assert app.state.server.engine.engine.kv.tier is not None
+    assert getattr(app.state, "kv_disagg", None) is None  # a tier is not a role
+    monkeypatch.delenv("INFER_LAB_KV_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="token"):  # a role without a token: refused
+        install_kv(app, parser.parse_args(["--kv-role", "prefill"]))
+    monkeypatch.setenv("INFER_LAB_KV_TOKEN", "t")
+    other = make_app(None, device="cpu", num_kv_blocks=32, max_num_seqs=4)
+    install_kv(other, parser.parse_args(["--kv-role", "prefill"]))
+    endpoint = other.state.kv_disagg.endpoint
+    assert endpoint.host == "127.0.0.1" and endpoint.port > 0  # loopback by default
+    other.state.kv_disagg.close()
