@@ -99,7 +99,7 @@ def blocks_back(*servers: ServerProcess) -> bool:
                     timeout=30)
 
 
-def test_router_pd_tokens_equal_colocated(cluster):
+def check_router_pd_tokens_equal_colocated(cluster) -> None:
     hits_before = metric(cluster["decode"].base, "prefix_cache_hits_total")
     for i, n in enumerate((1, 3)):
         prompt = f"{i}. " + TEXT * n
@@ -134,7 +134,7 @@ def prefill_params(cluster, prompt: str) -> dict:
     return params
 
 
-def test_faults_recompute_or_refuse_never_wrong_tokens(cluster):
+def check_faults_recompute_or_refuse_never_wrong_tokens(cluster) -> None:
     prompt = "Faults. " + TEXT * 2
     want = completion(cluster["colocated"], prompt)["choices"][0]["text"]
     decode = cluster["decode"].base
@@ -167,7 +167,7 @@ def test_faults_recompute_or_refuse_never_wrong_tokens(cluster):
     assert blocks_back(cluster["prefill"], cluster["decode"])
 
 
-def test_a_dead_prefill_worker_costs_a_recompute(cluster):
+def check_a_dead_prefill_worker_costs_a_recompute(cluster) -> None:
     """Last: it kills the prefill worker."""
     prompt = "Dead. " + TEXT * 2
     want = completion(cluster["colocated"], prompt)["choices"][0]["text"]
@@ -179,6 +179,14 @@ def test_a_dead_prefill_worker_costs_a_recompute(cluster):
     assert got["choices"][0]["text"] == want
     assert time.monotonic() - t0 < 60  # no hang
     assert blocks_back(cluster["decode"])
+
+
+def test_router_pd_end_to_end(cluster):
+    """One test, so that parallel test workers start the cluster once: tokens through the
+    router equal the colocated answer; the faults; then the prefill worker dies."""
+    check_router_pd_tokens_equal_colocated(cluster)
+    check_faults_recompute_or_refuse_never_wrong_tokens(cluster)
+    check_a_dead_prefill_worker_costs_a_recompute(cluster)
 
 
 # ---------------------------------------------------------------------- the protocol itself
