@@ -43,6 +43,7 @@ def _json_object(text: str) -> dict:
 def _serve(args: argparse.Namespace) -> int:
     from infer_lab import settings
     from infer_lab.engine.config import EngineConfig
+    from infer_lab.serve.disagg import install_kv
     from infer_lab.serve.limits import ServerLimits
     from infer_lab.serve.server import make_app, serve
 
@@ -65,6 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_tokens=args.max_waiting_tokens, vllm_metric_names=args.vllm_metric_names,
         limits=ServerLimits.from_namespace(args),
     )
+    install_kv(app, args)  # Chapter 13: a KV role, a KV tier
     print(f"infer-lab: serving on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
           file=sys.stderr, flush=True)
     serve(app, args.host, args.port, grace=args.shutdown_grace,
@@ -166,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also export the router gauges under vLLM's names (vllm:...)")
     _add_request_limits(srv.add_argument_group(
         "request limits", "what one request may cost (each refusal is counted in /metrics)"))
+    from infer_lab.serve.kv_args import add_kv_arguments
+
+    add_kv_arguments(srv)  # Chapter 13
     srv.set_defaults(func=_serve)
 
     from infer_lab.measure.bench import add_bench_parser

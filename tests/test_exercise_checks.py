@@ -742,3 +742,64 @@ def test_ch12_checks_fail_on_wrong_answers_and_pass_the_solutions(ch12, capsys):
     ]
     assert_checks(ch12, cases)
     assert capsys.readouterr().out.count("right") == 3
+
+
+# -------------------------------------------------------------------------------- chapter 13
+CH13 = "13_moving_the_kv_cache"
+
+
+@pytest.fixture(scope="module")
+def ch13() -> dict[str, Any]:
+    """The chapter's checks and its inline tier."""
+    import hashlib
+
+    from infer_lab.cache.kv_tier import read_block
+
+    namespace: dict[str, Any] = {"hashlib": hashlib, "read_block": read_block}
+    run_cells(namespace, definitions(cell_with(CH13, "class DictTier")))
+    return run_cells(namespace, cell_with(CH13, "def check_1"))
+
+
+def test_ch13_inline_tier_holds_what_the_package_tier_writes(ch13, tmp_path):
+    from infer_lab.engine import LLMEngine, SamplingParams
+    from infer_lab.engine.kv_connector import attach_kv_tier, prompt_keys
+
+    model, tok = il.load(device="cpu")
+    engine = LLMEngine(model, tok, num_kv_blocks=6, block_size=16)
+    mine = ch13["DictTier"](engine.runner.cache)
+    tier = attach_kv_tier(engine, tmp_path, 1 << 24)
+    offload = tier.offload
+    engine.kv.pool.on_evict = lambda b, k: (mine.offload(b, k), offload(b, k))
+    prompts = [list(range(5 + i, 53 + i)) for i in range(4)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=2, temperature=0.0))
+        while engine.has_unfinished_requests():
+            engine.step()
+    keys = prompt_keys(engine, prompts[0])
+    assert keys and all(mine.get(k) == tier.store.get(k) is not None for k in keys)
+    key = keys[0]
+    mine.blobs[key] = mine.blobs[key][:-1] + bytes([mine.blobs[key][-1] ^ 1])
+    assert mine.get(key) is None  # a flipped bit is a miss
+
+
+def test_ch13_checks_accept_an_unanswered_exercise(ch13, capsys):
+    for k in (1, 2, 3):
+        ch13[f"check_{k}"](None)
+    assert capsys.readouterr().out.count("replace None") == 3
+
+
+def test_ch13_checks_fail_on_wrong_answers_and_pass_the_solutions(ch13, capsys):
+    run_cells(dict(ch13), *(cell_with(CH13, f"# Solution {k}.") for k in (1, 2, 3)))
+    assert capsys.readouterr().out.count("right") == 3
+    per_token = 2 * 30 * 3 * 64 * 4
+    cases = [  # wrong: K only, bf16, query heads (9) instead of KV heads
+        ("check_1", per_token, [per_token // 2, per_token // 2, 2 * 30 * 9 * 64 * 4]),
+        # ... blocks rounded up, tokens instead of blocks
+        ("check_2", 6, [7, 96]),
+        # ... forgot the fixed cost, one token's bytes, the read time itself
+        ("check_3", 1000 - (20 + 16 * per_token / 2e9 * 1e6),
+         [1000 - 16 * per_token / 2e9 * 1e6, 1000 - (20 + per_token / 2e9 * 1e6),
+          20 + 16 * per_token / 2e9 * 1e6]),
+    ]
+    assert_checks(ch13, cases)
+    assert capsys.readouterr().out.count("right") == 3

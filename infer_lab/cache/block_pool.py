@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -79,6 +79,9 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._key: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}
+        # Called as (block, key) just before a named block is handed out again, while it still
+        # holds its K/V: a second tier (Chapter 13's ``KVTier``) keeps the bytes.
+        self.on_evict: Callable[[int, BlockKey], None] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -132,6 +135,8 @@ class BlockPool:
             block, _ = free.popitem(last=False)
             key = self._key[block]
             if key is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block, key)
                 del self._cached[key]
                 self._key[block] = None
             self._ref[block] = 1

@@ -24,11 +24,15 @@ and the executor performs them before the next forward.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from infer_lab.cache.block_pool import BlockKey, BlockPool, block_key
 from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.sequence import Sequence
 from infer_lab.utils import cdiv
+
+if TYPE_CHECKING:
+    from infer_lab.cache.kv_tier import KVTier
 
 
 class KVCacheManager:
@@ -49,6 +53,7 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        self.tier: KVTier | None = None  # Chapter 13's second tier (``attach_kv_tier``)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -99,6 +104,8 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        if self.tier is not None and len(blocks) < upto:  # the pool's hits end: try the tier
+            blocks += self.tier.reload(seq.block_keys[len(blocks) : upto], blocks)
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += len(blocks) * self.block_size
         return blocks

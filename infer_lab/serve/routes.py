@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from infer_lab.engine import RequestOutput, SamplingParams
 from infer_lab.engine.structured import StructuredOutputError, StructuredOutputsParams
 from infer_lab.serve.async_engine import RequestFailed, RequestOutputCollector
+from infer_lab.serve.disagg import KVParams, kv_after, kv_before, kv_params
 from infer_lab.serve.errors import APIError, unavailable
 from infer_lab.serve.protocol import (
     ChatCompletionRequest,
@@ -116,6 +117,7 @@ def validate_body(model: type[Body], raw: bytes) -> Body:
 @router.post("/v1/completions")
 async def completions(request: Request, server: Server) -> Any:
     body = await parse_body(request, server, CompletionRequest)
+    kv = kv_params(request, body)  # Chapter 13: prefill/decode disaggregation
     check_request(server, body)
     prompt = single_prompt(body.prompt)
     constraint = refuse_unsupported(server, body.constraint)
@@ -125,12 +127,13 @@ async def completions(request: Request, server: Server) -> Any:
     params = sampling_params(server, body, body.max_tokens or 16, body.logprobs, constraint)
     shape = Shape(new_id("cmpl"), False, server.model_name, server.tokenizer, body.logprobs,
                   include_usage(body), body.return_tokens_as_token_ids)
-    return await run(request, server, shape, ids, params, body.stream)
+    return await run(request, server, shape, ids, params, body.stream, kv)
 
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request, server: Server) -> Any:
     body = await parse_body(request, server, ChatCompletionRequest)
+    kv = kv_params(request, body)
     check_request(server, body)
     plan = refuse_unsupported(server, lambda: tool_plan(body))
     constraint = plan.constraint if plan else refuse_unsupported(server, body.constraint)
@@ -146,7 +149,7 @@ async def chat(request: Request, server: Server) -> Any:
                              constraint)
     shape = Shape(new_id("chatcmpl"), True, server.model_name, server.tokenizer, top,
                   include_usage(body), body.return_tokens_as_token_ids, tools=plan)
-    return await run(request, server, shape, ids, params, body.stream)
+    return await run(request, server, shape, ids, params, body.stream, kv)
 
 
 def constraint_param(body: SamplingFields) -> str:
@@ -239,7 +242,8 @@ def include_usage(body: SamplingFields) -> bool:
 
 
 async def run(request: Request, server: ServerState, shape: Shape, ids: list[int],
-              params: SamplingParams, stream: bool) -> Any:
+              params: SamplingParams, stream: bool, kv: KVParams | None = None) -> Any:
+    await kv_before(request, kv, shape.request_id, ids)
     try:
         outputs = await server.engine.add_request(shape.request_id, ids, params)
     except RequestFailed as e:
@@ -253,18 +257,22 @@ async def run(request: Request, server: ServerState, shape: Shape, ids: list[int
     final = await wait_final(request, server, shape.request_id, outputs)
     if final is None:  # the client hung up; nobody reads this
         return Response(status_code=499)
-    return await respond(server, shape, final)
+    return await respond(server, shape, final,
+                         await kv_after(request, kv, shape.request_id, ids, final))
 
 
-async def respond(server: ServerState, shape: Shape, final: RequestOutput) -> Response:
+async def respond(server: ServerState, shape: Shape, final: RequestOutput,
+                  extra: dict[str, Any] | None = None) -> Response:
     """The whole answer as JSON. A large one (many samples, tokens and log-probabilities) is
     built and encoded in a worker thread, in small pieces, so that the event loop (every
     stream, ``/health``) keeps running meanwhile."""
+    def body() -> dict[str, Any]:
+        return {**full_response(shape, final), **(extra or {})}  # extra: kv_transfer_params
+
     if response_size(shape, final) <= OFF_LOOP_ENTRIES:
-        return JSONResponse(full_response(shape, final))
+        return JSONResponse(body())
     loop = asyncio.get_running_loop()
-    content = await loop.run_in_executor(
-        server.respond_pool, lambda: encode_json(full_response(shape, final)))
+    content = await loop.run_in_executor(server.respond_pool, lambda: encode_json(body()))
     return Response(content, media_type="application/json")
 
 
