@@ -225,10 +225,11 @@ def main() -> None:
     load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
 
-    payload = {"benchmark": "kv_cache", **provenance(device),
-               "cpu_model": cpu_model() if device == "cpu" else None,
-               "cpu_count": os.cpu_count(), "load_average_before": load_before,
-               "load_average_after": load_after,
+    prov = provenance(device)
+    if device == "cpu":  # the CPU's model, where provenance() names only the architecture
+        prov["device_name"] = cpu_model() or prov["device_name"]
+    payload = {"benchmark": "kv_cache", **prov, "cpu_count": os.cpu_count(),
+               "load_average": {"before": load_before, "after": load_after},
                "run_s": time.perf_counter() - started, "dtype": str(model.dtype),
                "model": "bundled tiny-kjv", "prompt": PROMPT, "naive_vs_cached": gen,
                "paged_vs_contiguous": steps}
