@@ -7,7 +7,9 @@
    (``ContiguousAttentionContext``) and through the paged cache (``PagedAttentionContext`` over
    block tables, blocks scattered through the pool). Same model, same batch, same tokens; reports
    paged / contiguous step time (paging's overhead). The batch metadata is built once, outside the
-   timed step, as a runner would build it alongside the previous step; its cost is reported apart.
+   timed step, as a runner would build it alongside the previous step; its cost is reported apart,
+   and so is the gather alone (every layer's K and V copied out of the pool through the block
+   tables, as the torch paged path does), to say how much of the difference the copy is.
 
 The two timings of each pair are interleaved, repeat by repeat, so that a noisy neighbour slows
 both alike; medians are reported, and each ratio is the median of the per-repeat ratios with
@@ -170,9 +172,17 @@ def paged_vs_contiguous(model: Transformer, batch: int, context: int, block_size
     def paged_step() -> torch.Tensor:
         return model(meta.input_ids, meta.positions, PagedAttentionContext(paged, meta))
 
+    tables = meta.block_tables.clamp(min=0)
+
+    def gather() -> None:
+        """The copy the torch paged path makes: every layer's K and V through the tables."""
+        for kc, vc in zip(paged.k_caches, paged.v_caches):
+            kc[tables]
+            vc[tables]
+
     same = torch.allclose(contiguous_step(), paged_step(), atol=1e-4, rtol=1e-4)
-    times = interleaved({"contiguous": contiguous_step, "paged": paged_step, "build": build},
-                        repeats, device)
+    times = interleaved({"contiguous": contiguous_step, "paged": paged_step, "build": build,
+                         "gather": gather}, repeats, device)
     ms = {name: statistics.median(s) * 1e3 for name, s in times.items()}
     ratios = paired_ratios(times["paged"], times["contiguous"])
     return {
@@ -183,6 +193,7 @@ def paged_vs_contiguous(model: Transformer, batch: int, context: int, block_size
         "contiguous_ms": ms["contiguous"],
         "paged_ms": ms["paged"],
         "build_ms": ms["build"],
+        "gather_ms": ms["gather"],
         "paged_over_contiguous": statistics.median(ratios),
         "paged_over_contiguous_iqr": quartiles(ratios),
         "logits_close": bool(same),
@@ -221,7 +232,7 @@ def main() -> None:
     print("\npaged vs contiguous decode step, bundled model:")
     print_table([{**row, "iqr": spread(row["paged_over_contiguous_iqr"])} for row in steps],
                 ["batch", "context", "contiguous_ms", "paged_ms", "paged_over_contiguous", "iqr",
-                 "build_ms", "logits_close"])
+                 "build_ms", "gather_ms", "logits_close"])
     load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
 
