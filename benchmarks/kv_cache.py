@@ -7,12 +7,17 @@
    (``ContiguousAttentionContext``) and through the paged cache (``PagedAttentionContext`` over
    block tables, blocks scattered through the pool). Same model, same batch, same tokens; reports
    paged / contiguous step time (paging's overhead). The batch metadata is built once, outside the
-   timed step, as a runner would build it alongside the previous step; its cost is reported apart.
+   timed step, as a runner would build it alongside the previous step; its cost is reported apart,
+   and so is the gather alone (every layer's K and V copied out of the pool through the block
+   tables, as the torch paged path does), to say how much of the difference the copy is.
 
 The two timings of each pair are interleaved, repeat by repeat, so that a noisy neighbour slows
-both alike, and medians are reported. On CPU it runs one torch thread unless told otherwise
-(``--threads``): small decode steps on several threads are at the mercy of anything else
-running. Ratios are what to quote; absolute times count on a GPU.
+both alike; medians are reported, and each ratio is the median of the per-repeat ratios with
+their interquartile range (naive/cached: their min and max, over few repeats). The load average
+before and after the run is recorded: on a shared machine it says how loud the neighbours were.
+On CPU it runs one torch thread unless told otherwise (``--threads``): small decode steps on
+several threads are at the mercy of anything else running. Ratios are what to quote; absolute
+times count on a GPU.
 
     python -m benchmarks.kv_cache [--tokens 512] [--batches 1 8 32] [--context 256] [--threads N]
                                   [--out DIR]
@@ -21,6 +26,7 @@ running. Ratios are what to quote; absolute times count on a GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -50,8 +56,8 @@ def sync(device: str) -> None:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: str,
-                warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function, the calls alternating repeat by repeat."""
+                warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each function, the calls alternating repeat by repeat."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -63,7 +69,33 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: str,
             fn()
             sync(device)
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
+
+
+def paired_ratios(num: list[float], den: list[float]) -> list[float]:
+    """num / den repeat by repeat: each pair ran back to back, under the same load."""
+    return [n / d for n, d in zip(num, den)]
+
+
+def quartiles(xs: list[float]) -> list[float]:
+    """[25th, 75th] percentile: the spread to quote beside a median."""
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return [q[0], q[2]]
+
+
+def spread(pair: list[float]) -> str:
+    return f"{pair[0]:.2f}-{pair[1]:.2f}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), '' where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 @torch.inference_mode()
@@ -79,13 +111,17 @@ def naive_vs_cached(model: Transformer, tok, tokens: int, repeats: int, device: 
         },
         repeats, device, warmup=0,
     )
+    naive_s, cached_s = (statistics.median(times[k]) for k in ("naive", "cached"))
+    speedups = paired_ratios(times["naive"], times["cached"])
     return {
         "tokens": tokens,
-        "naive_s": times["naive"],
-        "cached_s": times["cached"],
-        "naive_ms_per_token": times["naive"] / tokens * 1e3,
-        "cached_ms_per_token": times["cached"] / tokens * 1e3,
-        "speedup": times["naive"] / times["cached"],
+        "repeats": repeats,
+        "naive_s": naive_s,
+        "cached_s": cached_s,
+        "naive_ms_per_token": naive_s / tokens * 1e3,
+        "cached_ms_per_token": cached_s / tokens * 1e3,
+        "speedup": statistics.median(speedups),
+        "speedup_min_max": [min(speedups), max(speedups)],
         "tokens_equal": naive.token_ids == cached.token_ids,
     }
 
@@ -136,17 +172,30 @@ def paged_vs_contiguous(model: Transformer, batch: int, context: int, block_size
     def paged_step() -> torch.Tensor:
         return model(meta.input_ids, meta.positions, PagedAttentionContext(paged, meta))
 
+    tables = meta.block_tables.clamp(min=0)
+
+    def gather() -> None:
+        """The copy the torch paged path makes: every layer's K and V through the tables."""
+        for kc, vc in zip(paged.k_caches, paged.v_caches):
+            kc[tables]
+            vc[tables]
+
     same = torch.allclose(contiguous_step(), paged_step(), atol=1e-4, rtol=1e-4)
-    times = interleaved({"contiguous": contiguous_step, "paged": paged_step, "build": build},
-                        repeats, device)
+    times = interleaved({"contiguous": contiguous_step, "paged": paged_step, "build": build,
+                         "gather": gather}, repeats, device)
+    ms = {name: statistics.median(s) * 1e3 for name, s in times.items()}
+    ratios = paired_ratios(times["paged"], times["contiguous"])
     return {
         "batch": batch,
         "context": context,
         "block_size": block_size,
-        "contiguous_ms": times["contiguous"] * 1e3,
-        "paged_ms": times["paged"] * 1e3,
-        "build_ms": times["build"] * 1e3,
-        "paged_over_contiguous": times["paged"] / times["contiguous"],
+        "repeats": repeats,
+        "contiguous_ms": ms["contiguous"],
+        "paged_ms": ms["paged"],
+        "build_ms": ms["build"],
+        "gather_ms": ms["gather"],
+        "paged_over_contiguous": statistics.median(ratios),
+        "paged_over_contiguous_iqr": quartiles(ratios),
         "logits_close": bool(same),
     }
 
@@ -169,19 +218,30 @@ def main() -> None:
     if args.threads and device == "cpu":
         torch.set_num_threads(args.threads)
     model, tok = il.load(device=device)  # fp32 on CPU, the device's default dtype elsewhere
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    started = time.perf_counter()
     torch.manual_seed(0)
 
     gen = naive_vs_cached(model, tok, args.tokens, args.gen_repeats, device)
     print("naive vs cached decode, bundled model:")
-    print_table([gen], ["tokens", "naive_s", "cached_s", "speedup", "tokens_equal"])
+    print_table([{**gen, "min-max": spread(gen["speedup_min_max"])}],
+                ["tokens", "naive_s", "cached_s", "speedup", "min-max", "tokens_equal"])
 
     steps = [paged_vs_contiguous(model, b, args.context, args.block_size, args.repeats, device)
              for b in args.batches]
     print("\npaged vs contiguous decode step, bundled model:")
-    print_table(steps, ["batch", "context", "contiguous_ms", "paged_ms", "paged_over_contiguous",
-                        "build_ms", "logits_close"])
+    print_table([{**row, "iqr": spread(row["paged_over_contiguous_iqr"])} for row in steps],
+                ["batch", "context", "contiguous_ms", "paged_ms", "paged_over_contiguous", "iqr",
+                 "build_ms", "gather_ms", "logits_close"])
+    load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
 
-    payload = {"benchmark": "kv_cache", **provenance(device), "dtype": str(model.dtype),
+    prov = provenance(device)
+    if device == "cpu":  # the CPU's model, where provenance() names only the architecture
+        prov["device_name"] = cpu_model() or prov["device_name"]
+    payload = {"benchmark": "kv_cache", **prov, "cpu_count": os.cpu_count(),
+               "load_average": {"before": load_before, "after": load_after},
+               "run_s": time.perf_counter() - started, "dtype": str(model.dtype),
                "model": "bundled tiny-kjv", "prompt": PROMPT, "naive_vs_cached": gen,
                "paged_vs_contiguous": steps}
     print("wrote", write_results("kv_cache", payload, args.out))

@@ -87,6 +87,23 @@ def test_decode_split_k_odd_pages_and_window(window):
     assert_close(out, reference64(q, kc, vc, batch, window), torch.float32, seed, "split-k")
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_row_without_keys_gives_zero_not_nan(num_splits):
+    """A row whose context is empty gives 0 whether or not the context is split: the split
+    path's reduction then divides a sum of 0 by a total of 0. The engine never sends such a row
+    (CUDA-graph padding rows have a context of 1), a caller of the kernel may."""
+    seed = fresh_seed()
+    q, kc, vc, batch = paged_problem([(40, 1), (1, 1)], 4, 2, 16, torch.float32, seed)
+    lens = batch.context_lens.clone()
+    lens[1] = 0
+    out = triton_attn().paged_decode_attention_triton(
+        q, kc, vc, batch.block_tables, lens, num_splits=num_splits, min_split_tokens=16,
+        block_n=16)
+    assert torch.equal(out[1], torch.zeros_like(out[1])), (seed, out[1])
+    assert_close(out[:1], reference64(q, kc, vc, batch)[:1], torch.float32, seed,
+                 "rows with keys")
+
+
 # (context length after the step, query chunk length): a whole prompt, one token, chunks starting
 # mid-sequence (a cached prefix), a chunk longer than a tile, lengths off the page size.
 PREFILL_CHUNKS = [(7, 7), (1, 1), (33, 5), (40, 23), (21, 1), (16, 16), (50, 17)]

@@ -216,7 +216,9 @@ def _reduce_kernel(
                   mask=part_ok[:, None], other=0.0)
     weight = tl.exp2(m - tl.max(m, axis=0))  # empty partitions have l = 0 and weigh nothing
     total = tl.sum(weight * l_sum, axis=0)
-    out = tl.sum(weight[:, None] * acc, axis=0) / total
+    # A row with no visible key at all (every partition empty: a caller's context of 0) gives
+    # 0, as the unsplit kernel does, not 0 / 0 = NaN.
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * o_stride_t + head * o_stride_h + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
