@@ -45,7 +45,8 @@ def attach_kv_tier(engine: LLMEngine, root: str | os.PathLike, capacity_bytes: i
 
 def prompt_keys(engine: LLMEngine, token_ids: Sequence[int]) -> list[BlockKey]:
     """The keys of the full blocks of ``token_ids``, in order."""
-    size, keys = engine.config.block_size, []
+    size = engine.config.block_size
+    keys: list[BlockKey] = []
     for i in range(len(token_ids) // size):
         keys.append(block_key(keys[-1] if keys else None, token_ids[i * size : (i + 1) * size]))
     return keys
