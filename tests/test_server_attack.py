@@ -215,7 +215,10 @@ def test_health_reports_a_dead_engine():
 
 # -- 4. unsupported OpenAI fields: 400 by name; neutral values keep working --------------------
 @pytest.mark.parametrize(("path", "extra", "field"), [
-    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"five": 10}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"min_p": 1.5}, "min_p"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": " and the end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),

@@ -548,7 +548,7 @@ def test_a_stream_that_fails_ends_with_an_error_event_and_done(server, monkeypat
 
 
 # -- 4d. fields that would change the output: refused by name; unknown fields ignored ----------
-NOT_NEUTRAL = {"min_p": 0.1, "typical_p": 0.9, "min_tokens": 5, "use_beam_search": True,
+NOT_NEUTRAL = {"typical_p": 0.9, "use_beam_search": True,
                "length_penalty": 0.5, "early_stopping": True, "include_stop_str_in_output": True,
                "skip_special_tokens": False, "spaces_between_special_tokens": False,
                "truncate_prompt_tokens": 10, "prompt_logprobs": 1, "allowed_token_ids": [1, 2],

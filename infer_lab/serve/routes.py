@@ -201,9 +201,11 @@ def sampling_params(server: ServerState, body: SamplingFields, max_tokens: int,
         extra["logprobs"] = logprobs
         check_logprobs_volume(server, body.n, max_tokens, logprobs)
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                          ("repetition_penalty", 1.0)):
+                          ("repetition_penalty", 1.0), ("min_p", 0.0), ("min_tokens", 0)):
         if getattr(body, name) != neutral:
             extra[name] = getattr(body, name)
+    if body.logit_bias:
+        extra["logit_bias"] = check_logit_bias(server, body.token_bias())
     temperature, top_p = body.temperature, body.top_p
     if temperature < SAMPLING_EPS or top_p < SAMPLING_EPS:
         # logits / 1e-40 overflow and a top_p that is 0 in float32 keeps nothing: both mean
@@ -222,7 +224,19 @@ def sampling_params(server: ServerState, body: SamplingFields, max_tokens: int,
                            code="unsupported_field") from e
         raise APIError(400, str(e)) from e
     except ValueError as e:
-        raise APIError(400, str(e)) from e
+        field = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field
+        raise APIError(400, str(e), param=field if field in type(body).model_fields
+                       else None) from e
+
+
+def check_logit_bias(server: ServerState, bias: dict[int, float]) -> dict[int, float]:
+    """The bias, if every token id is in the vocabulary (else a 400 naming ``logit_bias``)."""
+    vocab = server.engine.engine.model.config.vocab_size
+    bad = [t for t in bias if t >= vocab]
+    if bad:
+        raise APIError(400, f"logit_bias: token ids {bad[:5]} are outside the vocabulary of "
+                       f"{vocab}", param="logit_bias")
+    return bias
 
 
 def check_logprobs_volume(server: ServerState, n: int, max_tokens: int, top: int) -> None:
