@@ -219,7 +219,7 @@ def test_health_reports_a_dead_engine():
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"999999": 1}}, "logit_bias"),
     ("/v1/completions", {"min_p": 1.5}, "min_p"),
-    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"echo": True, "stream": True}, "echo"),
     ("/v1/completions", {"suffix": " and the end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),

@@ -30,6 +30,12 @@ from infer_lab.cache.kv_quant import attention_backend_for, make_paged_kv_cache
 from infer_lab.cache.paged import PagedAttentionContext
 from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.cuda_graphs import CUDAGraphs, graph_batch_sizes
+from infer_lab.engine.prompt_logprobs import (
+    PromptChunk,
+    logits_rows,
+    record_prompt_logprobs,
+    wants_prompt_logprobs,
+)
 from infer_lab.engine.scheduler import SchedulerOutput
 from infer_lab.engine.sequence import Sequence
 from infer_lab.model.transformer import Transformer
@@ -64,6 +70,7 @@ class ModelRunner:
         self._row_tables: list[list[int] | None] = [None] * (max_num_seqs + 1)
         self._row_synced = [0] * (max_num_seqs + 1)
         self.forward: Forward = model  # replaceable, e.g. by a no-op to time the CPU side
+        self._prompt_chunks: list[PromptChunk] = []  # this step's (prompt_logprobs)
         use_cuda_graphs = config.use_cuda_graphs
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
@@ -93,6 +100,7 @@ class ModelRunner:
         sampled: list[Sequence] = []
         wants: list[bool] = []
         spec_rows: dict[int, int] = {}  # chunk -> proposals in it (they all get logits rows)
+        prompt: dict[int, Sequence] = {}  # chunk -> its sequence, when every row gets logits
         for seq, n in zip(out.seqs, out.num_new):
             table, slot = seq.block_table, seq.slot
             if row_tables[slot] is not table:
@@ -115,6 +123,8 @@ class ModelRunner:
             else:
                 ids += seq.token_ids[start : start + n]
             complete = start + n - len(spec) == len(seq.token_ids)
+            if wants_prompt_logprobs(seq, start):
+                prompt[len(wants)] = seq
             wants.append(complete)
             if complete:
                 sampled.append(seq)
@@ -127,6 +137,10 @@ class ModelRunner:
         )
         if spec_rows:  # logits at every proposed position too, not only the chunk's last
             batch.logits_indices = self._spec_logits_indices(lens, wants, spec_rows)
+        self._prompt_chunks = []
+        if prompt:  # and at every position of a chunk whose prompt log-probabilities are asked
+            batch.logits_indices, self._prompt_chunks = logits_rows(
+                lens, wants, spec_rows, prompt, starts, self.device)
         return batch, sampled
 
     def _add_fillers(self, out: SchedulerOutput, starts: list[int], rows: list[int],
@@ -162,10 +176,14 @@ class ModelRunner:
         """
         batch, sampled = self.prepare(out)
         graphs = self.cuda_graphs
-        if graphs is not None and graphs.can_replay(batch, len(sampled)):
+        if graphs is not None and not self._prompt_chunks and graphs.can_replay(
+                batch, len(sampled)):
             return graphs.replay(batch), sampled
         ctx = PagedAttentionContext(self.cache, batch, backend=self.attn_backend)
-        return self.forward(batch.input_ids, batch.positions, ctx), sampled
+        logits = self.forward(batch.input_ids, batch.positions, ctx)
+        if self._prompt_chunks:  # into the requests; the sampler gets its rows only
+            logits = record_prompt_logprobs(logits, self._prompt_chunks)
+        return logits, sampled
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: each ``(src, dst)`` block's K/V into ``dst`` before the forward."""

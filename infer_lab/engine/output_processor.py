@@ -120,7 +120,8 @@ class OutputProcessor:
             completions.append(completion(seq, seq.text[:safe], seq.emitted_tokens,
                                           seq.finish_reason, seq.stop_reason, delta_text, first))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             completions, request.is_finished, request_metrics(request))
+                             completions, request.is_finished, request_metrics(request),
+                             prompt_logprobs=request.prompt_logprobs)
 
     @staticmethod
     def _failed_completion(seq: Sequence) -> CompletionOutput:

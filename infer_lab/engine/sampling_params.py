@@ -54,7 +54,9 @@ class SamplingParams:
       output before this many tokens (vLLM; at most ``max_tokens``).
     - ``logprobs``: None (not asked), 0 (the sampled token's log-probability) or k <= 20 (and the
       k most likely tokens'), from the model's raw distribution, before temperature, top-k/top-p
-      and penalties.
+      and penalties. ``prompt_logprobs`` (vLLM): the same for every prompt token after the
+      first (from the prefill's logits at every position; the prompt is then recomputed rather
+      than read from the prefix cache).
     - ``stop``: strings that end the output (trimmed from the text, as vLLM does; at most
       ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_LEN`` characters);
       ``stop_token_ids``: extra token ids that end it; ``ignore_eos``: keep going past EOS.
@@ -77,6 +79,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
@@ -129,6 +132,10 @@ class SamplingParams:
                 MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got "
                              f"{self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= _integer(
+                "prompt_logprobs", self.prompt_logprobs) <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs}")
         self._check_penalties()
 
     def _check_penalties(self) -> None:

@@ -68,7 +68,6 @@ REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_special_tokens": ((True,), "is not supported (only true)"),
     "spaces_between_special_tokens": ((True,), "is not supported (only true)"),
     "truncate_prompt_tokens": ((), "is not supported: a prompt too long is refused"),
-    "prompt_logprobs": ((), "is not supported"),
     "allowed_token_ids": ((), "is not supported"),
     "bad_words": (([],), "is not supported"),
     "logits_processors": ((), "is not supported"),
@@ -88,6 +87,7 @@ CHAT_REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template_kwargs": (({},), "is not supported"),
     "documents": (([],), "is not supported"),
     "echo": ((False,), "is not supported (only false)"),
+    "prompt_logprobs": ((), "is not supported on chat (use /v1/completions)"),
 }
 COMPLETION_REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "add_special_tokens": ((True,), "is not supported (only true)"),
@@ -199,10 +199,18 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    """OpenAI's completion: ``prompt`` is text, token ids, or a batch of either (each prompt's
+    ``n`` choices, in order); ``echo`` puts the prompt before each choice's text (and its tokens'
+    log-probabilities before the completion's, the first null, with ``logprobs``);
+    ``max_tokens: 0`` with ``echo`` scores the prompt without generating. ``prompt_logprobs``
+    (vLLM's extra) returns the prompt's log-probabilities in vLLM's per-choice shape."""
+
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0, le=_INT32)
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -221,8 +229,13 @@ class CompletionRequest(SamplingFields):
     def unsupported(self) -> None:
         super().unsupported()
         refuse_fields(self.model_extra, COMPLETION_REFUSED_FIELDS)
-        if self.echo:
-            raise UnsupportedField("echo", "is not supported (only false)")
+        if self.echo and self.stream:
+            raise UnsupportedField("echo", "cannot be combined with stream (the prompt's "
+                                   "log-probabilities come whole, with the answer)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedField("prompt_logprobs", "cannot be combined with stream")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedField("max_tokens", "0 only with echo (to score the prompt)")
         if self.suffix:
             raise UnsupportedField("suffix", "is not supported")
 
