@@ -223,9 +223,10 @@ def test_health_reports_a_dead_engine():
     ("/v1/completions", {"suffix": " and the end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
-    # tools work with tool_choice "required" or a named function (issue 19); "auto", the
-    # default with tools, is refused by name
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    # tools work with tool_choice "auto" (issue 29), "required" or a named function (issue
+    # 19); a named function that is not among the tools is refused by name
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),

@@ -151,7 +151,8 @@ class SamplingFields(BaseModel):
                 return StructuredOutputsParams(**self.structured_outputs)
             except TypeError:
                 raise UnsupportedField("structured_outputs", "its keys are json, json_object, "
-                                       "regex, choice, grammar, whitespace") from None
+                                       "regex, choice, grammar, structural_tag, "
+                                       "whitespace") from None
             except ValueError as e:
                 raise UnsupportedField("structured_outputs", str(e)) from None
         return response_format_constraint(self.response_format)
@@ -285,6 +286,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # "auto": more than one call per answer
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     prediction: dict[str, Any] | None = None

@@ -12,6 +12,7 @@ from typing import Any
 
 from infer_lab.engine import CompletionOutput, RequestOutput
 from infer_lab.model.tokenizer import Tokenizer
+from infer_lab.serve.tools import ToolStream
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Shape:
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per choice
     tools: Any = None  # a ToolPlan: the output is a tool call
+    tool_streams: dict[int, Any] = field(default_factory=dict)  # "auto": a ToolStream a choice
     echo: Echo | None = None  # completions: the prompt's text and log-probabilities
 
     def tool_message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
@@ -47,12 +49,30 @@ class Shape:
         terminated: ``stop`` with no stop string or stop token behind it (those can fire in
         the middle of the JSON) and arguments that parse. Otherwise (cut off by ``length``, a
         stop string, a stop token) the output is returned as text with its finish reason."""
+        if self.tools.auto:
+            return self._auto_message(c)
         call = None
         if c.finish_reason == "stop" and c.stop_reason is None:
             call = self.tools.call(c.text, f"call_{self.request_id[-24:]}_{c.index}")
         if call is None:
             return {"role": "assistant", "content": c.text}, c.finish_reason
         return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+
+    def call_id(self, index: int) -> str:
+        return f"call_{self.request_id[-24:]}_{index}"
+
+    def _auto_message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """``tool_choice: "auto"``: the text outside calls as content, the calls as
+        ``tool_calls`` (finish reason ``tool_calls`` if there is any)."""
+        content, calls, _ = self.tools.split(c.text, True)
+        if not calls:
+            return {"role": "assistant", "content": content}, c.finish_reason
+        base = self.call_id(c.index)
+        tool_calls = [{"id": f"{base}_{k}", "type": "function", "function": call}
+                      for k, call in enumerate(calls)]
+        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return ({"role": "assistant", "content": content.strip() or None,
+                 "tool_calls": tool_calls}, reason)
 
     @property
     def object(self) -> str:
@@ -202,6 +222,8 @@ def full_response(shape: Shape, out: RequestOutput, base: int = 0) -> dict[str, 
 def chunk_choice(shape: Shape, c: CompletionOutput, first: bool) -> dict[str, Any]:
     """One choice of a streamed chunk: this step's text (and role, in a chat's first chunk)."""
     lp = logprobs_of(shape, c.index, getattr(c, "delta_logprobs", None))
+    if shape.chat and shape.tools is not None and shape.tools.auto:
+        return _auto_chunk(shape, c, first, lp)
     if shape.chat and shape.tools is not None:  # the call is sent whole, when it is complete
         delta = {"role": "assistant"} if first else {}
         reason = c.finish_reason
@@ -222,6 +244,24 @@ def chunk_choice(shape: Shape, c: CompletionOutput, first: bool) -> dict[str, An
     choice["logprobs"] = lp
     choice["finish_reason"] = c.finish_reason
     return choice
+
+
+def _auto_chunk(shape: Shape, c: CompletionOutput, first: bool,
+                lp: dict[str, Any] | None) -> dict[str, Any]:
+    """A streamed "auto" chunk: the text that cannot be part of a call, and each call whole
+    once it is complete; the markup of a call never reaches the client."""
+    state = shape.tool_streams.setdefault(c.index, ToolStream())
+    content, calls = state.delta(shape.tools, c.delta_text, c.finish_reason is not None,
+                                 shape.call_id(c.index))
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if content or not calls:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    reason = c.finish_reason
+    if reason == "stop" and state.calls:
+        reason = "tool_calls"
+    return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
 
 def response_size(shape: Shape, out: RequestOutput) -> int:
