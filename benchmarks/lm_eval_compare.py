@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "lm_eval"
 MODEL_DIR = ROOT / "infer_lab" / "assets" / "tiny-kjv"
@@ -171,8 +173,9 @@ def main() -> None:
               + ", ".join(f"{k} {v}" for k, v in row.items() if k not in ("hf", "server")))
     record = {"command": "python -m benchmarks.lm_eval_compare"
               + (f" --limit {args.limit}" if args.limit else ""),
+              "provenance": {**provenance("cpu"), "load_average": os.getloadavg()},
               "model": MODEL_NAME, "dtype": "float32", "lm_eval": _version(),
-              "loadavg": os.getloadavg(), "comparison": table, "hf": hf, "server": served}
+              "comparison": table, "hf": hf, "server": served}
     RESULT.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {RESULT.relative_to(ROOT)}")
 
