@@ -65,7 +65,8 @@ def evaluate(model: str, model_args: dict[str, Any], task: str, task_dir: Path,
 
     start = time.perf_counter()
     out = simple_evaluate(model=model, model_args=model_args, tasks=[task], limit=limit,
-                          task_manager=TaskManager(include_path=str(task_dir)),
+                          task_manager=TaskManager(include_path=str(task_dir),
+                                                       include_defaults=False),
                           log_samples=True, apply_chat_template=chat, batch_size=1,
                           random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                           fewshot_random_seed=0)
