@@ -215,14 +215,18 @@ def test_health_reports_a_dead_engine():
 
 # -- 4. unsupported OpenAI fields: 400 by name; neutral values keep working --------------------
 @pytest.mark.parametrize(("path", "extra", "field"), [
-    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
-    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"logit_bias": {"five": 10}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"echo": True, "stream": True}, "echo"),
     ("/v1/completions", {"suffix": " and the end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
-    # tools work with tool_choice "required" or a named function (issue 19); "auto", the
-    # default with tools, is refused by name
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    # tools work with tool_choice "auto" (issue 29), "required" or a named function (issue
+    # 19); a named function that is not among the tools is refused by name
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),

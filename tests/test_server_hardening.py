@@ -548,10 +548,10 @@ def test_a_stream_that_fails_ends_with_an_error_event_and_done(server, monkeypat
 
 
 # -- 4d. fields that would change the output: refused by name; unknown fields ignored ----------
-NOT_NEUTRAL = {"min_p": 0.1, "typical_p": 0.9, "min_tokens": 5, "use_beam_search": True,
+NOT_NEUTRAL = {"typical_p": 0.9, "use_beam_search": True,
                "length_penalty": 0.5, "early_stopping": True, "include_stop_str_in_output": True,
                "skip_special_tokens": False, "spaces_between_special_tokens": False,
-               "truncate_prompt_tokens": 10, "prompt_logprobs": 1, "allowed_token_ids": [1, 2],
+               "truncate_prompt_tokens": 10, "allowed_token_ids": [1, 2],
                "bad_words": ["LORD"], "logits_processors": ["x"], "vllm_xargs": {"a": 1},
                "guided_json": {"type": "object"}, "guided_regex": "a+",
                "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"",
@@ -560,7 +560,7 @@ NOT_NEUTRAL = {"min_p": 0.1, "typical_p": 0.9, "min_tokens": 5, "use_beam_search
 CHAT_NOT_NEUTRAL = {"add_generation_prompt": False, "continue_final_message": True,
                     "add_special_tokens": True, "chat_template": "{{ 'x' }}",
                     "chat_template_kwargs": {"a": 1}, "documents": [{"text": "x"}],
-                    "echo": True}
+                    "echo": True, "prompt_logprobs": 1}
 
 
 def test_the_refused_tables_are_what_the_tests_cover():

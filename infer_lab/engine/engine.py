@@ -204,6 +204,7 @@ class LLMEngine:
         stops = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stops |= self.eos_ids
+        params.bind(stops, self.model.config.vocab_size)  # min_tokens, logit_bias
         request = Request(request_id, text, ids, params,
                           time.perf_counter() if arrival_time is None else arrival_time, stops,
                           StopMatcher(params.stop_strings) if params.stop_strings else None)

@@ -95,8 +95,8 @@ class KVCacheManager:
         At least one token is always left to compute: the forward that follows must produce the
         logits of the last token.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
+            return []  # prompt log-probabilities need every prompt position's logits (vLLM)
         upto = (seq.num_tokens - 1) // self.block_size
         blocks = []
         for key in self.block_keys(seq, upto):

@@ -38,6 +38,12 @@ from infer_lab.cache.paged import PagedAttentionContext
 from infer_lab.engine.config import EngineConfig
 from infer_lab.engine.cuda_graphs import CUDAGraphs, graph_batch_sizes
 from infer_lab.engine.draft_tree import DraftTree, tree_mask
+from infer_lab.engine.prompt_logprobs import (
+    PromptChunk,
+    logits_rows,
+    record_prompt_logprobs,
+    wants_prompt_logprobs,
+)
 from infer_lab.engine.scheduler import SchedulerOutput
 from infer_lab.engine.sequence import Sequence
 from infer_lab.model.transformer import Transformer
@@ -76,6 +82,7 @@ class ModelRunner:
         # Called after each forward with the last hidden states of every row (EAGLE's features);
         # while set, the forward computes them, and CUDA graphs (which would not) are not used.
         self.hidden_states_hook: HiddenStatesHook | None = None
+        self._prompt_chunks: list[PromptChunk] = []  # this step's (prompt_logprobs)
         use_cuda_graphs = config.use_cuda_graphs
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
@@ -106,6 +113,7 @@ class ModelRunner:
         wants: list[bool] = []
         spec_rows: dict[int, int] = {}  # chunk -> proposals in it (they all get logits rows)
         trees: dict[int, tuple[int, int, DraftTree]] = {}  # chunk -> first row, start, tree
+        prompt: dict[int, Sequence] = {}  # chunk -> its sequence, when every row gets logits
         for seq, n in zip(out.seqs, out.num_new):
             table, slot = seq.block_table, seq.slot
             if row_tables[slot] is not table:
@@ -131,6 +139,8 @@ class ModelRunner:
             else:
                 ids += seq.token_ids[start : start + n]
             complete = start + n - len(spec) == len(seq.token_ids)
+            if wants_prompt_logprobs(seq, start):
+                prompt[len(wants)] = seq
             wants.append(complete)
             if complete:
                 sampled.append(seq)
@@ -145,6 +155,10 @@ class ModelRunner:
             batch.logits_indices = self._spec_logits_indices(lens, wants, spec_rows)
         if trees:
             self._lay_out_trees(batch, lens, trees)
+        self._prompt_chunks = []
+        if prompt:  # and at every position of a chunk whose prompt log-probabilities are asked
+            batch.logits_indices, self._prompt_chunks = logits_rows(
+                lens, wants, spec_rows, prompt, starts, self.device)
         return batch, sampled
 
     def _lay_out_trees(self, batch: PagedBatch, lens: list[int],
@@ -195,13 +209,16 @@ class ModelRunner:
         """
         batch, sampled = self.prepare(out)
         graphs, hook = self.cuda_graphs, self.hidden_states_hook
-        if graphs is not None and hook is None and graphs.can_replay(batch, len(sampled)):
+        if (graphs is not None and hook is None and not self._prompt_chunks
+                and graphs.can_replay(batch, len(sampled))):
             return graphs.replay(batch), sampled
         ctx = PagedAttentionContext(self.cache, batch, backend=self.attn_backend)
         ctx.want_hidden_states = hook is not None
         logits = self.forward(batch.input_ids, batch.positions, ctx)
         if hook is not None and ctx.hidden_states is not None:
             hook(out, batch, ctx.hidden_states)
+        if self._prompt_chunks:  # into the requests; the sampler gets its rows only
+            logits = record_prompt_logprobs(logits, self._prompt_chunks)
         return logits, sampled
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

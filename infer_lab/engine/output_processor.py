@@ -63,8 +63,8 @@ class OutputProcessor:
             searched = len(seq.text)
             if seq.detokenizer is not None:
                 seq.text += seq.detokenizer.add(token)
-            if token in stop_ids:  # a stop token's own text is never searched
-                searched = len(seq.text)
+            if token in stop_ids or done + j < seq.request.params.min_tokens:
+                searched = len(seq.text)  # a stop token's text, or before min_tokens (vLLM)
             elif (hit := self._stop_string(seq, searched)) is not None:
                 return done + j + 1, hit
             if j == len(new) - 1 and seq.is_finished and seq.detokenizer is not None:
@@ -120,7 +120,8 @@ class OutputProcessor:
             completions.append(completion(seq, seq.text[:safe], seq.emitted_tokens,
                                           seq.finish_reason, seq.stop_reason, delta_text, first))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             completions, request.is_finished, request_metrics(request))
+                             completions, request.is_finished, request_metrics(request),
+                             prompt_logprobs=request.prompt_logprobs)
 
     @staticmethod
     def _failed_completion(seq: Sequence) -> CompletionOutput:

@@ -76,7 +76,7 @@ class SpecDecodeRates:
 
 @dataclass
 class TokenLogprobs:
-    """Log-probabilities at one generated position, from the model's raw distribution.
+    """Log-probabilities at one generated (or prompt) position, from the raw distribution.
 
     ``logprob`` is the sampled token's; ``top`` holds the ``k`` most likely tokens (``k`` is the
     request's ``logprobs``; empty for 0), most likely first, as ``(token_id, logprob)``.
@@ -85,6 +85,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # the token's rank in the distribution (1: most likely), if known
 
 
 @dataclass
@@ -149,6 +150,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: RequestFailure | None = None
+    # one per prompt token (the first None: nothing predicts it), when prompt_logprobs was asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

@@ -112,6 +112,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # ModelRunner: one entry per prompt token (the first is None), if params.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def may_speculate(self) -> bool:

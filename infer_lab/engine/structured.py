@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\]\s*\S+:\d+:\s*")
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class StructuredOutputError(ValueError):
@@ -87,7 +87,9 @@ class StructuredOutputsParams:
 
     - ``json``: a JSON Schema (a dict or its JSON text); ``json_object``: any JSON object;
     - ``regex``: the output matches this regular expression; ``choice``: it is one of these
-      strings; ``grammar``: an EBNF grammar (XGrammar's dialect, root rule ``root``).
+      strings; ``grammar``: an EBNF grammar (XGrammar's dialect, root rule ``root``);
+      ``structural_tag``: XGrammar's structural tag (a dict or its JSON text: free text with
+      tagged, schema-checked parts, what tool calling with ``tool_choice: "auto"`` uses).
     - ``whitespace``: allow free whitespace between JSON tokens (off: compact JSON, which a
       small model cannot pad with newlines until it runs out of tokens).
     """
@@ -97,6 +99,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
     whitespace: bool = False
     key: tuple[str, str, bool] = field(init=False, repr=False, compare=False)
     # set by StructuredOutputs.prepare: the engine then uses this grammar, not a cache lookup
@@ -126,6 +129,8 @@ class StructuredOutputsParams:
             text = json.dumps(value)  # property order kept: it is the output's order
         elif kind == "json_object":
             text = ""
+        elif kind == "structural_tag":
+            text = value if isinstance(value, str) else json.dumps(value)
         elif kind == "choice":
             if isinstance(value, str) or not value or not all(isinstance(c, str) and c
                                                               for c in value):
@@ -270,6 +275,8 @@ class StructuredOutputs:
             if kind == "choice":
                 return self._compiler.compile_regex(
                     "|".join(f"({_escape_regex(c)})" for c in spec.choice or ()))
+            if kind == "structural_tag":
+                return self._compiler.compile_structural_tag(text)
             return self._compiler.compile_grammar(text)
         except RecursionError:
             raise StructuredOutputError(f"the {kind} constraint is nested too deeply") from None

@@ -4,10 +4,10 @@ Validation happens here, before a request reaches the engine: a wrong type or an
 value is a 400 with OpenAI's error shape, never a failure inside a batch that other requests share.
 Every number is bounded by what the engine can represent (``top_k`` below 2**31, not 2**63), and
 a field OpenAI or vLLM define that this server does not implement is refused by name when its
-value would change the output (``REFUSED_FIELDS``: ``min_p``, ``typical_p``, beam search, the
-``guided_*`` fields...); its neutral value (``logit_bias: {}``, ``echo: false``, ``min_p: 0``...)
-is accepted. A field nobody defines is ignored, as OpenAI's and vLLM's servers do: routers and
-SDKs add their own (``metadata``, ``store``, ``service_tier``, ``user``...), and none of those
+value would change the output (``REFUSED_FIELDS``: ``typical_p``, beam search, the
+``guided_*`` fields...); its neutral value (``typical_p: 1``, ``suffix: ""``...) is
+accepted. A field nobody defines is ignored, as OpenAI's and vLLM's servers do: routers and SDKs
+add their own (``metadata``, ``store``, ``service_tier``, ``user``...), and none of those
 changes what the model writes.
 """
 
@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_CHAT_TOP_LOGPROBS = 20  # and for /v1/chat/completions
+MAX_LOGIT_BIAS = 1024  # entries (SamplingParams' bound)
 _INT32 = 2**31 - 1
 
 
@@ -59,9 +60,7 @@ _GUIDED = "use response_format or structured_outputs (vLLM's guided_* fields are
 # sampling, decoding and prompt field of OpenAI's completions and chat APIs and of vLLM's
 # extra parameters (0.11); those not here are honoured, or change nothing the model writes.
 REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "min_p": ((0,), "is not supported yet (only 0)"),
     "typical_p": ((1,), "is not supported (only 1)"),
-    "min_tokens": ((0,), "is not supported (only 0)"),
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1,), "is not supported (it is for beam search)"),
     "early_stopping": ((False,), "is not supported (it is for beam search)"),
@@ -69,7 +68,6 @@ REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_special_tokens": ((True,), "is not supported (only true)"),
     "spaces_between_special_tokens": ((True,), "is not supported (only true)"),
     "truncate_prompt_tokens": ((), "is not supported: a prompt too long is refused"),
-    "prompt_logprobs": ((), "is not supported"),
     "allowed_token_ids": ((), "is not supported"),
     "bad_words": (([],), "is not supported"),
     "logits_processors": ((), "is not supported"),
@@ -89,6 +87,7 @@ CHAT_REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template_kwargs": (({},), "is not supported"),
     "documents": (([],), "is not supported"),
     "echo": ((False,), "is not supported (only false)"),
+    "prompt_logprobs": ((), "is not supported on chat (use /v1/completions)"),
 }
 COMPLETION_REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "add_special_tokens": ((True,), "is not supported (only true)"),
@@ -122,6 +121,8 @@ class SamplingFields(BaseModel):
     temperature: float = _finite(1.0, 0.0, 100.0)
     top_p: float = _finite(1.0, 0.0, 1.0, gt=True)
     top_k: int = Field(default=0, ge=-1, le=_INT32)
+    min_p: float = _finite(0.0, 0.0, 1.0)  # vLLM's extra
+    min_tokens: int = Field(default=0, ge=0, le=_INT32)  # vLLM's extra
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
@@ -133,7 +134,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = _finite(0.0, -2.0, 2.0)
     frequency_penalty: float = _finite(0.0, -2.0, 2.0)
     repetition_penalty: float = _finite(1.0, 0.0, 2.0, gt=True)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     best_of: int | None = Field(default=None, ge=1, le=64)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
     response_format: dict[str, Any] | None = None
@@ -150,7 +151,8 @@ class SamplingFields(BaseModel):
                 return StructuredOutputsParams(**self.structured_outputs)
             except TypeError:
                 raise UnsupportedField("structured_outputs", "its keys are json, json_object, "
-                                       "regex, choice, grammar, whitespace") from None
+                                       "regex, choice, grammar, structural_tag, "
+                                       "whitespace") from None
             except ValueError as e:
                 raise UnsupportedField("structured_outputs", str(e)) from None
         return response_format_constraint(self.response_format)
@@ -175,20 +177,41 @@ class SamplingFields(BaseModel):
             raise ValueError("stop_token_ids must be token ids (0 <= id < 2**31)")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        """OpenAI's: keys are token ids (as JSON strings), values in [-100, 100]."""
+        for key, value in (v or {}).items():
+            if not (key.isascii() and key.isdigit() and int(key) <= _INT32):
+                raise ValueError(f"keys must be token ids (integers in [0, 2**31)), got {key!r}")
+            if not -100 <= value <= 100:  # NaN fails this too
+                raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
+        return v
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer keys (None when empty)."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
     def unsupported(self) -> None:
         """Raise :class:`UnsupportedField` for the first field whose value we cannot honour."""
         refuse_fields(self.model_extra, REFUSED_FIELDS)
-        if self.logit_bias:
-            raise UnsupportedField("logit_bias", "is not supported (only {} is accepted)")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedField("best_of", "is not supported (only best_of == n)")
 
 
 class CompletionRequest(SamplingFields):
+    """OpenAI's completion: ``prompt`` is text, token ids, or a batch of either (each prompt's
+    ``n`` choices, in order); ``echo`` puts the prompt before each choice's text (and its tokens'
+    log-probabilities before the completion's, the first null, with ``logprobs``);
+    ``max_tokens: 0`` with ``echo`` scores the prompt without generating. ``prompt_logprobs``
+    (vLLM's extra) returns the prompt's log-probabilities in vLLM's per-choice shape."""
+
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0, le=_INT32)
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -207,8 +230,13 @@ class CompletionRequest(SamplingFields):
     def unsupported(self) -> None:
         super().unsupported()
         refuse_fields(self.model_extra, COMPLETION_REFUSED_FIELDS)
-        if self.echo:
-            raise UnsupportedField("echo", "is not supported (only false)")
+        if self.echo and self.stream:
+            raise UnsupportedField("echo", "cannot be combined with stream (the prompt's "
+                                   "log-probabilities come whole, with the answer)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedField("prompt_logprobs", "cannot be combined with stream")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedField("max_tokens", "0 only with echo (to score the prompt)")
         if self.suffix:
             raise UnsupportedField("suffix", "is not supported")
 
@@ -258,6 +286,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # "auto": more than one call per answer
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     prediction: dict[str, Any] | None = None

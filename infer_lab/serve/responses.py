@@ -12,6 +12,18 @@ from typing import Any
 
 from infer_lab.engine import CompletionOutput, RequestOutput
 from infer_lab.model.tokenizer import Tokenizer
+from infer_lab.serve.tools import ToolStream
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What a completion returns of its prompt: its text and tokens before each choice
+    (``echo``; ``score_only``: ``max_tokens`` 0, the one token the engine sampled is dropped),
+    and vLLM's ``prompt_logprobs`` (None: not asked)."""
+
+    echo: bool
+    score_only: bool
+    prompt_logprobs: int | None
 
 
 @dataclass
@@ -29,18 +41,38 @@ class Shape:
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per choice
     tools: Any = None  # a ToolPlan: the output is a tool call
+    tool_streams: dict[int, Any] = field(default_factory=dict)  # "auto": a ToolStream a choice
+    echo: Echo | None = None  # completions: the prompt's text and log-probabilities
 
     def tool_message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
         """A chat message (and finish reason) for ``c`` as a tool call, only if the grammar
         terminated: ``stop`` with no stop string or stop token behind it (those can fire in
         the middle of the JSON) and arguments that parse. Otherwise (cut off by ``length``, a
         stop string, a stop token) the output is returned as text with its finish reason."""
+        if self.tools.auto:
+            return self._auto_message(c)
         call = None
         if c.finish_reason == "stop" and c.stop_reason is None:
             call = self.tools.call(c.text, f"call_{self.request_id[-24:]}_{c.index}")
         if call is None:
             return {"role": "assistant", "content": c.text}, c.finish_reason
         return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+
+    def call_id(self, index: int) -> str:
+        return f"call_{self.request_id[-24:]}_{index}"
+
+    def _auto_message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """``tool_choice: "auto"``: the text outside calls as content, the calls as
+        ``tool_calls`` (finish reason ``tool_calls`` if there is any)."""
+        content, calls, _ = self.tools.split(c.text, True)
+        if not calls:
+            return {"role": "assistant", "content": content}, c.finish_reason
+        base = self.call_id(c.index)
+        tool_calls = [{"id": f"{base}_{k}", "type": "function", "function": call}
+                      for k, call in enumerate(calls)]
+        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return ({"role": "assistant", "content": content.strip() or None,
+                 "tool_calls": tool_calls}, reason)
 
     @property
     def object(self) -> str:
@@ -63,8 +95,11 @@ def _lp(value: float) -> float:
     return value if math.isfinite(value) else -9999.0  # JSON has no -inf; OpenAI's floor
 
 
-def logprobs_of(shape: Shape, index: int, entries: list | None) -> dict[str, Any] | None:
-    """``entries`` (TokenLogprobs) in the route's format; None when logprobs were not asked."""
+def logprobs_of(shape: Shape, index: int, entries: list | None,
+                first: int | None = None) -> dict[str, Any] | None:
+    """``entries`` (TokenLogprobs) in the route's format; None when logprobs were not asked.
+    ``first`` (completions' echo): a token before them that nothing predicts (its
+    log-probability and alternatives are null, as OpenAI and vLLM send the prompt's first)."""
     if shape.top_logprobs is None or entries is None:
         return None
     k = shape.top_logprobs
@@ -78,6 +113,13 @@ def logprobs_of(shape: Shape, index: int, entries: list | None) -> dict[str, Any
                             "bytes": list(text.encode("utf-8")), "top_logprobs": top})
         return {"content": content, "refusal": None}
     tokens, offsets, tops = [], [], []
+    chosen: list[float | None] = []
+    if first is not None:
+        tokens.append(shape.token(first))
+        offsets.append(0)
+        shape.offsets[index] = len(tokens[0])
+        tops.append(None)
+        chosen.append(None)
     for e in entries:
         text = shape.token(e.token_id)
         offsets.append(shape.offsets.get(index, 0))
@@ -86,8 +128,9 @@ def logprobs_of(shape: Shape, index: int, entries: list | None) -> dict[str, Any
         top = {shape.token(i): _lp(lp) for i, lp in e.top[:k]}
         top.setdefault(text, _lp(e.logprob))
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": tops, "text_offset": offsets}
+        chosen.append(_lp(e.logprob))
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def usage_of(out: RequestOutput) -> dict[str, int]:
@@ -97,9 +140,66 @@ def usage_of(out: RequestOutput) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
-def full_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
+def completion_choice(shape: Shape, out: RequestOutput, c: CompletionOutput,
+                      index: int) -> dict[str, Any]:
+    """A completion's choice with its prompt echoed (OpenAI: the prompt's tokens first, the
+    first one's log-probability null) and vLLM's ``prompt_logprobs``."""
+    echo = shape.echo
+    text, entries, reason = c.text, c.logprobs, c.finish_reason
+    if echo.score_only:  # max_tokens 0: the prompt alone
+        text, entries, reason = "", [] if entries is not None else None, "length"
+    prompt_ids, prompt_lps = out.prompt_token_ids, out.prompt_logprobs
+    if echo.echo:
+        text = shape.tokenizer.decode(prompt_ids, skip_special_tokens=False) + text
+    lp = None
+    if shape.top_logprobs is not None:
+        head = None
+        if echo.echo:  # first: its text offsets start at 0 and the completion's follow
+            head = logprobs_of(shape, index, (prompt_lps or [None])[1:], prompt_ids[0])
+        lp = logprobs_of(shape, index, entries or [])
+        if head is not None:
+            lp = {key: head[key] + lp[key] for key in lp}
+    choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+    if echo.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(shape, prompt_lps,
+                                                         echo.prompt_logprobs)
+    return choice
+
+
+def vllm_prompt_logprobs(shape: Shape, entries: list | None, k: int) -> list | None:
+    """vLLM's shape: per prompt token, ``{token_id: {logprob, rank, decoded_token}}`` for the
+    token itself and the ``k`` most likely (the first entry None)."""
+    out: list[dict[str, Any] | None] = [None]
+    if entries is None:  # a one-token prompt: nothing to score
+        return out
+    for e in entries[1:]:
+        one = {str(i): {"logprob": _lp(lp), "rank": r + 1, "decoded_token": shape.token(i)}
+               for r, (i, lp) in enumerate(e.top[:k])}
+        one.setdefault(str(e.token_id), {"logprob": _lp(e.logprob), "rank": e.rank,
+                                         "decoded_token": shape.token(e.token_id)})
+        out.append(one)
+    return out
+
+
+def batch_response(shape: Shape, outs: list[RequestOutput]) -> dict[str, Any]:
+    """One completion for a batch of prompts: prompt ``i``'s choices are ``i * n ...``."""
+    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for i, out in enumerate(outs):
+        n = len(out.outputs)
+        body = full_response(shape, out, base=i * n)
+        choices += body["choices"]
+        for key, value in body["usage"].items():
+            usage[key] += value
+    return shape.body(shape.object, choices, usage)
+
+
+def full_response(shape: Shape, out: RequestOutput, base: int = 0) -> dict[str, Any]:
+    """The whole answer; ``base``: the index of this request's first choice (a batch)."""
     choices = []
     for c in out.outputs:
+        if shape.echo is not None:
+            choices.append(completion_choice(shape, out, c, base + c.index))
+            continue
         lp = logprobs_of(shape, c.index, getattr(c, "logprobs", None))
         if shape.chat and shape.tools is not None:
             message, reason = shape.tool_message(c)
@@ -109,15 +209,21 @@ def full_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
             choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
                       "logprobs": lp, "finish_reason": c.finish_reason}
         else:
-            choice = {"index": c.index, "text": c.text, "logprobs": lp,
+            choice = {"index": base + c.index, "text": c.text, "logprobs": lp,
                       "finish_reason": c.finish_reason}
         choices.append(choice)
-    return shape.body(shape.object, choices, usage_of(out))
+    usage = usage_of(out)
+    if shape.echo is not None and shape.echo.score_only:
+        usage["total_tokens"] -= usage["completion_tokens"]
+        usage["completion_tokens"] = 0
+    return shape.body(shape.object, choices, usage)
 
 
 def chunk_choice(shape: Shape, c: CompletionOutput, first: bool) -> dict[str, Any]:
     """One choice of a streamed chunk: this step's text (and role, in a chat's first chunk)."""
     lp = logprobs_of(shape, c.index, getattr(c, "delta_logprobs", None))
+    if shape.chat and shape.tools is not None and shape.tools.auto:
+        return _auto_chunk(shape, c, first, lp)
     if shape.chat and shape.tools is not None:  # the call is sent whole, when it is complete
         delta = {"role": "assistant"} if first else {}
         reason = c.finish_reason
@@ -140,9 +246,29 @@ def chunk_choice(shape: Shape, c: CompletionOutput, first: bool) -> dict[str, An
     return choice
 
 
+def _auto_chunk(shape: Shape, c: CompletionOutput, first: bool,
+                lp: dict[str, Any] | None) -> dict[str, Any]:
+    """A streamed "auto" chunk: the text that cannot be part of a call, and each call whole
+    once it is complete; the markup of a call never reaches the client."""
+    state = shape.tool_streams.setdefault(c.index, ToolStream())
+    content, calls = state.delta(shape.tools, c.delta_text, c.finish_reason is not None,
+                                 shape.call_id(c.index))
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if content or not calls:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    reason = c.finish_reason
+    if reason == "stop" and state.calls:
+        reason = "tool_calls"
+    return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+
+
 def response_size(shape: Shape, out: RequestOutput) -> int:
     """Tokens times the log-probabilities each carries: what building the answer costs."""
     tokens = sum(len(c.token_ids) for c in out.outputs)
+    if shape.echo is not None:
+        tokens += len(out.prompt_token_ids) * len(out.outputs)
     return tokens * (1 + (shape.top_logprobs or 0))
 
 

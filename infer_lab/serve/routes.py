@@ -36,7 +36,9 @@ from infer_lab.serve.protocol import (
 )
 from infer_lab.serve.responses import (
     DONE,
+    Echo,
     Shape,
+    batch_response,
     chunk_choice,
     chunk_object,
     encode_json,
@@ -119,15 +121,30 @@ async def completions(request: Request, server: Server) -> Any:
     body = await parse_body(request, server, CompletionRequest)
     kv = kv_params(request, body)  # Chapter 13: prefill/decode disaggregation
     check_request(server, body)
-    prompt = single_prompt(body.prompt)
+    prompts = prompt_list(server, body)
     constraint = refuse_unsupported(server, body.constraint)
     server.engine.check_admission()  # cheap: refuse before tokenizing when already full
-    ids = await server.encode(prompt) if isinstance(prompt, str) else prompt
+    batch = [await server.encode(p) if isinstance(p, str) else p for p in prompts]
+    vocab = server.tokenizer_vocab
+    for ids in batch:
+        check_prompt_ids(ids, vocab)
     await server.prepare(constraint, constraint_param(body))
-    params = sampling_params(server, body, body.max_tokens or 16, body.logprobs, constraint)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    echo_top = body.logprobs if body.echo else None  # the prompt's, in OpenAI's shape
+    wanted = [k for k in (echo_top, body.prompt_logprobs) if k is not None]
+    params = sampling_params(server, body, max(1, max_tokens), body.logprobs, constraint,
+                             prompt_logprobs=max(wanted) if wanted else None,
+                             prompt_len=max(len(ids) for ids in batch))
     shape = Shape(new_id("cmpl"), False, server.model_name, server.tokenizer, body.logprobs,
-                  include_usage(body), body.return_tokens_as_token_ids)
-    return await run(request, server, shape, ids, params, body.stream, kv)
+                  include_usage(body), body.return_tokens_as_token_ids,
+                  echo=Echo(body.echo, max_tokens == 0, body.prompt_logprobs) if (
+                      body.echo or body.prompt_logprobs is not None) else None)
+    if len(batch) == 1:
+        return await run(request, server, shape, batch[0], params, body.stream, kv)
+    if kv is not None:
+        raise APIError(400, "kv_transfer_params: one prompt per request, not a batch",
+                       param="kv_transfer_params")
+    return await run_batch(request, server, shape, batch, params)
 
 
 @router.post("/v1/chat/completions")
@@ -177,15 +194,32 @@ def check_request(server: ServerState, body: SamplingFields) -> None:
     refuse_unsupported(server, body.unsupported)
 
 
-def single_prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, "batched prompts are not supported: send one request per "
-                           "prompt", param="prompt")
-        prompt = prompt[0]
-    if not prompt:
+def prompt_list(server: ServerState, body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of ``body``: one (text or token ids) or a batch (a list of either). A batch
+    holds ``n`` batch slots per prompt, so ``n x prompts`` is bounded by ``--max-n``; it cannot
+    be streamed (send one request per prompt)."""
+    prompt = body.prompt
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(
+        prompt[0], (str, list)) else [prompt]
+    if any(not p for p in batch):
         raise APIError(400, "the prompt is empty", param="prompt")
-    return prompt
+    if len(batch) > 1:
+        if body.stream:
+            raise APIError(400, "a batch of prompts cannot be streamed: send one request per "
+                           "prompt", param="prompt")
+        most = server.limits.max_n
+        if body.n * len(batch) > most:
+            raise server.refuse("n", f"prompt: n x prompts is {body.n * len(batch)}; at most "
+                                f"{most} samples per request (this server's --max-n)", "prompt")
+    return batch
+
+
+def check_prompt_ids(ids: list[int], vocab: int) -> None:
+    """A 400 naming ``prompt`` for token ids outside the vocabulary (before any is queued)."""
+    if ids and max(ids) >= vocab:
+        bad = [t for t in ids if t >= vocab][:5]
+        raise APIError(400, f"prompt: token ids {bad} are outside the vocabulary of {vocab}",
+                       param="prompt")
 
 
 def new_id(prefix: str) -> str:
@@ -194,7 +228,8 @@ def new_id(prefix: str) -> str:
 
 def sampling_params(server: ServerState, body: SamplingFields, max_tokens: int,
                     logprobs: int | None,
-                    constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+                    constraint: StructuredOutputsParams | None = None,
+                    prompt_logprobs: int | None = None, prompt_len: int = 0) -> SamplingParams:
     """The engine's parameters; only non-neutral extras are passed (an engine without penalties
     or logprobs then refuses exactly the requests that need them)."""
     extra: dict[str, Any] = {}
@@ -203,10 +238,15 @@ def sampling_params(server: ServerState, body: SamplingFields, max_tokens: int,
     if logprobs is not None:
         extra["logprobs"] = logprobs
         check_logprobs_volume(server, body.n, max_tokens, logprobs)
+    if prompt_logprobs is not None:
+        extra["prompt_logprobs"] = prompt_logprobs
+        check_logprobs_volume(server, body.n, prompt_len + max_tokens, prompt_logprobs)
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                          ("repetition_penalty", 1.0)):
+                          ("repetition_penalty", 1.0), ("min_p", 0.0), ("min_tokens", 0)):
         if getattr(body, name) != neutral:
             extra[name] = getattr(body, name)
+    if body.logit_bias:
+        extra["logit_bias"] = check_logit_bias(server, body.token_bias())
     temperature, top_p = body.temperature, body.top_p
     if temperature < SAMPLING_EPS or top_p < SAMPLING_EPS:
         # logits / 1e-40 overflow and a top_p that is 0 in float32 keeps nothing: both mean
@@ -225,7 +265,19 @@ def sampling_params(server: ServerState, body: SamplingFields, max_tokens: int,
                            code="unsupported_field") from e
         raise APIError(400, str(e)) from e
     except ValueError as e:
-        raise APIError(400, str(e)) from e
+        field = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field
+        raise APIError(400, str(e), param=field if field in type(body).model_fields
+                       else None) from e
+
+
+def check_logit_bias(server: ServerState, bias: dict[int, float]) -> dict[int, float]:
+    """The bias, if every token id is in the vocabulary (else a 400 naming ``logit_bias``)."""
+    vocab = server.tokenizer_vocab
+    bad = [t for t in bias if t >= vocab]
+    if bad:
+        raise APIError(400, f"logit_bias: token ids {bad[:5]} are outside the vocabulary of "
+                       f"{vocab}", param="logit_bias")
+    return bias
 
 
 def check_logprobs_volume(server: ServerState, n: int, max_tokens: int, top: int) -> None:
@@ -259,6 +311,36 @@ async def run(request: Request, server: ServerState, shape: Shape, ids: list[int
         return Response(status_code=499)
     return await respond(server, shape, final,
                          await kv_after(request, kv, shape.request_id, ids, final))
+
+
+async def run_batch(request: Request, server: ServerState, shape: Shape,
+                    batch: list[list[int]], params: SamplingParams) -> Any:
+    """A batch of prompts: one engine request each, all admitted before any answer; the
+    choices of prompt ``i`` are ``i * n ...``. If one fails, the others are aborted."""
+    ids = [f"{shape.request_id}-{i}" for i in range(len(batch))]
+    added: list[str] = []
+    try:
+        collectors = []
+        for request_id, prompt in zip(ids, batch):
+            try:
+                collectors.append(await server.engine.add_request(request_id, prompt, params))
+            except RequestFailed as e:
+                raise unavailable(str(e)) from e
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e), param="prompt") from e
+            added.append(request_id)
+        finals = await asyncio.gather(*(wait_final(request, server, i, c)
+                                        for i, c in zip(ids, collectors)))
+    except BaseException:
+        for request_id in added:
+            server.engine.abort(request_id)
+        raise
+    if any(f is None for f in finals):  # the client hung up
+        return Response(status_code=499)
+    loop = asyncio.get_running_loop()
+    content = await loop.run_in_executor(
+        server.respond_pool, lambda: encode_json(batch_response(shape, finals)))
+    return Response(content, media_type="application/json")
 
 
 async def respond(server: ServerState, shape: Shape, final: RequestOutput,

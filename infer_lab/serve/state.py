@@ -62,6 +62,11 @@ class ServerState:
     def tokenizer(self) -> Tokenizer:
         return self.engine.engine.tokenizer
 
+    @property
+    def tokenizer_vocab(self) -> int:
+        """The model's vocabulary size: token ids (prompts, logit_bias) must be below it."""
+        return self.engine.engine.model.config.vocab_size
+
     def close(self) -> None:
         for pool in (self.pool, self.template_pool, self.compile_pool, self.respond_pool):
             pool.shutdown(wait=False, cancel_futures=True)

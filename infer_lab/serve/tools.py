@@ -1,19 +1,46 @@
-"""Tool calls by constrained decoding: ``tools`` with ``tool_choice`` "required" or a named
-function become a JSON Schema the output must follow, and the output becomes OpenAI's
-``tool_calls``. ``tool_choice: "auto"`` is refused: a 135 M-parameter model cannot be trusted
-to decide between answering and calling, and a server that guessed for it would not be honest.
+"""Tool calls by constrained decoding.
+
+- ``tool_choice`` "required" or a named function: the output must be a JSON call (a JSON Schema
+  the grammar enforces), and becomes OpenAI's ``tool_calls``.
+- ``tool_choice`` "auto" (the default with tools): the model writes free text and decides for
+  itself whether to call. A call is written in the documented default format (Hermes / Qwen
+  style, described to the model in a system message)::
+
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+  The constraint is an XGrammar *structural tag* with ``<tool_call>`` as its trigger: text is
+  free until the model writes the trigger; from there the grammar allows only the begin string
+  of an offered function, then JSON valid for that function's parameters, then the end. So a
+  started call is always a valid call of an offered tool (an unknown tool cannot be written),
+  and ``parallel_tool_calls: false`` ends the output after the first call. The server splits
+  the output into the text outside calls (``content``) and the calls (``tool_calls``,
+  ``finish_reason: "tool_calls"``); a stream holds back any text that may be the start of a
+  call, so the markup never reaches the client (:class:`ToolStream`). A call cut off by
+  ``max_tokens`` is dropped, with ``finish_reason: "length"``.
+- ``tool_choice`` "none": the tools are not offered; the model answers in text.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from infer_lab.engine.structured import StructuredOutputsParams
 from infer_lab.serve.protocol import ChatCompletionRequest, UnsupportedField
 
 _TOOL_SHAPE = "a tool is {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}"
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+TRIGGER = "<tool_call>"
+END = "}\n</tool_call>"
+
+
+def call_begin(name: str) -> str:
+    """What a call of ``name`` starts with in the default format (then its arguments)."""
+    return f'{TRIGGER}\n{{"name": "{name}", "arguments": '
 
 
 @dataclass
@@ -24,13 +51,20 @@ class ToolPlan:
     name: str | None
     constraint: StructuredOutputsParams
     functions: dict[str, dict[str, Any]]
+    auto: bool = False  # the model chooses between text and calls (tool_choice "auto")
 
     def with_system(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
-        """The conversation with the functions described in its system message."""
+        """The conversation with the functions described in its system message (the server's
+        default tool prompt)."""
         offered = json.dumps([{"name": n, "parameters": p} for n, p in self.functions.items()])
-        what = (f"Call the function {self.name} by replying with its arguments as JSON."
-                if self.name else "Call one of them by replying with JSON: "
-                '{"name": ..., "arguments": {...}}.')
+        if self.auto:
+            what = ("To call one, write <tool_call>, a newline, "
+                    '{"name": <function name>, "arguments": <arguments as JSON>}, a newline and '
+                    "</tool_call>. Otherwise answer in text.")
+        elif self.name:
+            what = f"Call the function {self.name} by replying with its arguments as JSON."
+        else:
+            what = 'Call one of them by replying with JSON: {"name": ..., "arguments": {...}}.'
         note = f"You can call these functions: {offered}\n{what}"
         if messages and messages[0]["role"] == "system":
             return [{"role": "system", "content": messages[0]["content"] + "\n\n" + note},
@@ -52,6 +86,80 @@ class ToolPlan:
         return {"id": call_id, "type": "function",
                 "function": {"name": name, "arguments": arguments}}
 
+    def split(self, text: str, finished: bool) -> tuple[str, list[dict[str, str]], int]:
+        """An "auto" output as (the text outside calls, the complete calls as
+        ``{"name", "arguments"}``, where the text shown so far must stop). Text from a call
+        not yet complete, or (``finished`` False) from a trailing prefix of the trigger, is
+        held back; a finished output's unfinished call is dropped."""
+        content, calls, at = [], [], 0
+        while True:
+            start = text.find(TRIGGER, at)
+            if start < 0:
+                break
+            call, end = _parse_call(text, start)
+            if call is None:  # not complete (yet): nothing from here is text
+                content.append(text[at:start])
+                return "".join(content), calls, len(text)
+            content.append(text[at:start])
+            calls.append(call)
+            at = end
+        tail = text[at:]
+        if not finished:
+            tail = tail[: len(tail) - _trigger_prefix(tail)]
+        content.append(tail)
+        return "".join(content), calls, len(text)
+
+
+def _parse_call(text: str, start: int) -> tuple[dict[str, str] | None, int]:
+    """The call written at ``start`` (the trigger) and where it ends; None if incomplete."""
+    head = text[start + len(TRIGGER):]
+    m = re.match(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ', head)
+    if m is None:
+        return None, start
+    at = start + len(TRIGGER) + m.end()
+    try:
+        arguments, stop = json.JSONDecoder().raw_decode(text, at)
+    except ValueError:
+        return None, start
+    if not text.startswith(END, stop):
+        return None, start
+    return ({"name": m.group(1), "arguments": json.dumps(arguments, ensure_ascii=False)},
+            stop + len(END))
+
+
+def _trigger_prefix(text: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of the trigger."""
+    for k in range(min(len(text), len(TRIGGER) - 1), 0, -1):
+        if TRIGGER.startswith(text[-k:]):
+            return k
+    return 0
+
+
+@dataclass
+class ToolStream:
+    """One streamed choice of an "auto" request: its text so far, and how much of its
+    content and how many calls were sent."""
+
+    text: str = ""
+    sent_content: int = 0
+    sent_calls: int = 0
+    calls: list[dict[str, str]] = field(default_factory=list)
+
+    def delta(self, plan: ToolPlan, new_text: str, finished: bool,
+              call_id: str) -> tuple[str, list[dict[str, Any]]]:
+        """This chunk's content and its newly completed calls (OpenAI's delta shape)."""
+        self.text += new_text
+        content, calls, _ = plan.split(self.text, finished)
+        out_text = content[self.sent_content:]
+        self.sent_content = len(content)
+        deltas = []
+        for k in range(self.sent_calls, len(calls)):
+            deltas.append({"index": k, "id": f"{call_id}_{k}", "type": "function",
+                           "function": calls[k]})
+        self.sent_calls = len(calls)
+        self.calls = calls
+        return out_text, deltas
+
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     functions: dict[str, dict[str, Any]] = {}
@@ -60,6 +168,11 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not (
                 isinstance(fn.get("name"), str) and fn["name"]):
             raise UnsupportedField(f"tools[{i}]", _TOOL_SHAPE)
+        if not _NAME.match(fn["name"]):
+            raise UnsupportedField(f"tools[{i}].function.name", "must be 1-64 letters, digits, "
+                                   "underscores or dashes")
+        if fn["name"] in functions:
+            raise UnsupportedField(f"tools[{i}].function.name", f"{fn['name']!r} is given twice")
         parameters = fn.get("parameters", {"type": "object"})
         if not isinstance(parameters, dict):
             raise UnsupportedField(f"tools[{i}].function.parameters", "must be a JSON Schema "
@@ -77,14 +190,11 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         return None
     if choice == "none":
         return None
-    if choice in (None, "auto"):
-        raise UnsupportedField("tool_choice", "'auto' (the default when tools are given) is "
-                               "not supported: this model cannot be trusted to choose between "
-                               "answering and calling; pass 'required' or "
-                               "{'type': 'function', 'function': {'name': ...}}")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise UnsupportedField("response_format", "cannot be combined with tools")
     functions = _functions(body.tools)
+    if choice in (None, "auto"):
+        return auto_plan(functions, body.parallel_tool_calls is not False)
     if choice == "required":
         schema = {"anyOf": [{"type": "object", "properties": {
             "name": {"const": n}, "arguments": p}, "required": ["name", "arguments"],
@@ -98,3 +208,15 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         raise UnsupportedField("tool_choice", f"names {fn.get('name')!r}, which is not "
                                "among the tools")
     return ToolPlan(fn["name"], StructuredOutputsParams(json=functions[fn["name"]]), functions)
+
+
+def auto_plan(functions: dict[str, dict[str, Any]], parallel: bool) -> ToolPlan:
+    """``tool_choice: "auto"``: free text, and calls in the default format whose begin string
+    names an offered function and whose arguments follow its schema (a structural tag)."""
+    tags = [{"type": "tag", "begin": call_begin(name),
+             "content": {"type": "json_schema", "json_schema": schema}, "end": END}
+            for name, schema in functions.items()]
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": [TRIGGER], "tags": tags,
+        "at_least_one": False, "stop_after_first": not parallel}}
+    return ToolPlan(None, StructuredOutputsParams(structural_tag=tag), functions, auto=True)

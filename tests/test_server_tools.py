@@ -1,0 +1,182 @@
+"""``tool_choice: "auto"`` / ``"none"`` and ``parallel_tool_calls`` (issue 29), through the
+official ``openai`` client, streaming and not.
+
+The bundled model does not call tools of its own accord, so the tests that need a call steer it:
+a wrapper around the runner's forward adds +1000 to the logits of a scripted token at each
+position after the prompt (the model "decides" to write the script). The grammar still applies
+on top: what is checked is the server's part — the structural tag that keeps a started call
+valid for an offered tool, the parsing into ``tool_calls``, the stream that never shows the
+markup, and the finish reasons. Unsteered, the model answers in text and nothing changes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from infer_lab.serve.server import make_app
+from tests.live_server import metric, running, wait_for
+
+MODEL = "tiny-kjv"
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def app():
+    return make_app(None, device="cpu", num_kv_blocks=256, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def server(app):
+    with running(app) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture()
+def steer(app, client):
+    """``steer(text, tools)``: the model writes ``text`` after the prompt of ASK with those
+    tools (as tokens of the tokenizer; the grammar may still refuse them)."""
+    engine = app.state.server.engine.engine
+    real = engine.runner.forward
+
+    def install(text: str, tools: list[dict]) -> None:
+        first = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
+                                               max_tokens=1)
+        start = first.usage.prompt_tokens
+        script = engine.tokenizer.encode(text) + sorted(engine.eos_ids)[:1]
+
+        def forward(ids, positions, ctx):
+            logits = real(ids, positions, ctx)
+            idx = ctx.logits_indices
+            rows = (positions[idx] if idx is not None else positions).tolist()
+            for r, p in enumerate(rows):
+                k = p + 1 - start
+                if 0 <= k < len(script):
+                    logits[r, script[k]] += 1000.0
+            return logits
+
+        engine.runner.forward = forward
+
+    yield install
+    engine.runner.forward = real
+
+
+def no_blocks_held(server: str) -> bool:
+    return wait_for(lambda: metric(server, "kv_cache_blocks_used") == 0, 30)
+
+
+def stream(client, **kw) -> tuple[str, list, str | None]:
+    """The streamed content, tool-call deltas and last finish reason."""
+    content, calls, reason = "", [], None
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            reason = c.finish_reason or reason
+    return content, calls, reason
+
+
+def test_auto_without_a_call_answers_in_text(client, server):
+    for tools in ([WEATHER], [WEATHER, TIME]):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
+                                           max_tokens=12, temperature=0)
+        c = r.choices[0]
+        assert not c.message.tool_calls and c.finish_reason in ("stop", "length")
+        assert "<tool_call>" not in (c.message.content or "")
+        content, calls, reason = stream(client, tools=tools, max_tokens=12, temperature=0)
+        assert content == c.message.content and not calls and reason == c.finish_reason
+    assert no_blocks_held(server)
+
+
+def test_auto_parses_a_call_and_hides_its_markup(client, server, steer):
+    steer("Let me look. " + CALL, [WEATHER, TIME])
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                       max_tokens=100, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert c.message.content == "Let me look."
+    [call] = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    content, calls, reason = stream(client, tools=[WEATHER, TIME], max_tokens=100,
+                                    temperature=0)
+    assert reason == "tool_calls" and "<" not in content and content.strip() == "Let me look."
+    assert [d.function.name for d in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert no_blocks_held(server)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls(client, steer, parallel):
+    second = CALL.replace("Paris", "Rome")
+    steer(CALL + second, [WEATHER])
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                       max_tokens=160, temperature=0,
+                                       parallel_tool_calls=parallel)
+    c = r.choices[0]
+    cities = [json.loads(t.function.arguments)["city"] for t in c.message.tool_calls]
+    assert cities == (["Paris", "Rome"] if parallel else ["Paris"])
+    assert c.finish_reason == "tool_calls"
+
+
+def test_a_call_of_a_tool_not_offered_cannot_be_written(client, server, steer):
+    steer(CALL.replace("get_weather", "get_wether"), [WEATHER])
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                       max_tokens=100, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason in ("tool_calls", "length", "stop")
+    for call in c.message.tool_calls or []:  # the grammar allowed only offered names
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert "<tool_call>" not in (c.message.content or "")
+    assert no_blocks_held(server)
+
+
+def test_a_call_cut_by_max_tokens_is_not_text(client, steer):
+    steer(CALL, [WEATHER])
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                       max_tokens=8, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and not c.message.tool_calls
+    assert "<tool" not in (c.message.content or "")
+    content, calls, reason = stream(client, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert reason == "length" and not calls and "<tool" not in content
+
+
+def test_none_does_not_offer_the_tools(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                       tool_choice="none", max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8,
+                                           temperature=0)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    assert not r.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "maybe"}, "parallel_tool_calls"),
+])
+def test_bad_tool_requests_are_400(server, extra, field):
+    r = httpx.post(f"{server}/v1/chat/completions",
+                   json={"messages": ASK, "max_tokens": 4, **extra}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    assert no_blocks_held(server)
