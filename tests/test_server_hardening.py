@@ -410,6 +410,8 @@ def test_admission_budgets_the_tokens_requests_can_occupy():
     (CHAT, {"messages": ASK, "n": 3, "max_tokens": 100, "logprobs": True, "top_logprobs": 20}),
     (CHAT, {"messages": ASK, "max_tokens": 300, "logprobs": True, "top_logprobs": 20}),
     ("/v1/completions", {"prompt": "Amen", "n": 4, "max_tokens": 300, "logprobs": 5}),
+    # each prompt of the batch is within the limit (1500), the four together are not
+    ("/v1/completions", {"prompt": ["Amen"] * 4, "max_tokens": 300, "logprobs": 4}),
 ])
 def test_logprobs_volume_is_capped(server, path, body):
     before = refused(server, "logprobs")

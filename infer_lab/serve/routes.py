@@ -134,7 +134,7 @@ async def completions(request: Request, server: Server) -> Any:
     wanted = [k for k in (echo_top, body.prompt_logprobs) if k is not None]
     params = sampling_params(server, body, max(1, max_tokens), body.logprobs, constraint,
                              prompt_logprobs=max(wanted) if wanted else None,
-                             prompt_len=max(len(ids) for ids in batch))
+                             prompt_len=max(len(ids) for ids in batch), num_prompts=len(batch))
     shape = Shape(new_id("cmpl"), False, server.model_name, server.tokenizer, body.logprobs,
                   include_usage(body), body.return_tokens_as_token_ids,
                   echo=Echo(body.echo, max_tokens == 0, body.prompt_logprobs) if (
@@ -229,18 +229,21 @@ def new_id(prefix: str) -> str:
 def sampling_params(server: ServerState, body: SamplingFields, max_tokens: int,
                     logprobs: int | None,
                     constraint: StructuredOutputsParams | None = None,
-                    prompt_logprobs: int | None = None, prompt_len: int = 0) -> SamplingParams:
+                    prompt_logprobs: int | None = None, prompt_len: int = 0,
+                    num_prompts: int = 1) -> SamplingParams:
     """The engine's parameters; only non-neutral extras are passed (an engine without penalties
-    or logprobs then refuses exactly the requests that need them)."""
+    or logprobs then refuses exactly the requests that need them). The log-probability volume
+    is bounded per HTTP request: n samples of each of ``num_prompts`` prompts."""
     extra: dict[str, Any] = {}
     if constraint is not None:
         extra["structured_outputs"] = constraint
     if logprobs is not None:
         extra["logprobs"] = logprobs
-        check_logprobs_volume(server, body.n, max_tokens, logprobs)
+        check_logprobs_volume(server, body.n * num_prompts, max_tokens, logprobs)
     if prompt_logprobs is not None:
         extra["prompt_logprobs"] = prompt_logprobs
-        check_logprobs_volume(server, body.n, prompt_len + max_tokens, prompt_logprobs)
+        check_logprobs_volume(server, body.n * num_prompts, prompt_len + max_tokens,
+                              prompt_logprobs)
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                           ("repetition_penalty", 1.0), ("min_p", 0.0), ("min_tokens", 0)):
         if getattr(body, name) != neutral:
@@ -282,10 +285,11 @@ def check_logit_bias(server: ServerState, bias: dict[int, float]) -> dict[int, f
 
 def check_logprobs_volume(server: ServerState, n: int, max_tokens: int, top: int) -> None:
     """Refuse a request whose answer could hold more log-probabilities than the limit: its
-    body grows as n x max_tokens x (1 + top_logprobs) (18 MB at 40 x 300 x 21)."""
+    body grows as n x max_tokens x (1 + top_logprobs) (18 MB at 40 x 300 x 21), n counting
+    every sample of every prompt of a batch."""
     entries, most = n * max_tokens * (1 + top), server.limits.max_logprobs_per_request
     if entries > most:
-        raise server.refuse("logprobs", f"logprobs: n x max_tokens x (1 + top_logprobs) is "
+        raise server.refuse("logprobs", f"logprobs: samples x max_tokens x (1 + top_logprobs) is "
                             f"{entries}; the limit is {most}", "logprobs")
 
 
