@@ -8,8 +8,9 @@ Storing K and V in one byte each halves that, so the same memory admits about tw
   in individual tokens (attention sinks) without hurting the rest. Overhead: 2 bytes per
   ``head_dim`` bytes, 1.6 % at ``head_dim`` 128.
 - ``"fp8_e4m3"``: the values themselves in torch's ``float8_e4m3fn`` (3 mantissa bits, range
-  ±448, out-of-range values saturate), no scale. On CPU torch stores and gathers fp8 but does no
-  arithmetic on it, so the attention path upcasts what it reads.
+  ±448, out-of-range values saturate), no scale. torch 2.13 can multiply fp8 on CPU (``@``,
+  ``torch._scaled_mm``) but not add it; this package does not use that path: the attention
+  path upcasts what it reads.
 - ``"fp8_e4m3_scaled"`` (Chapter 8b): ``float8_e4m3fn`` codes of ``x / s`` with an fp16 scale
   ``s = max|x| / 448`` per token and head, like int8's. Without a scale, E4M3 has full relative
   precision only between 2^-6 and 448: smaller values fall into its subnormals (a value near

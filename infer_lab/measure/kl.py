@@ -2,7 +2,7 @@
 
 Perplexity averages away what a quantized model gets wrong (it can be lower on one text by luck)
 and greedy agreement over a handful of tokens sees only the top choice. llama.cpp's
-``perplexity --kl-divergence`` and the quantization papers judge a format instead by the KL
+``perplexity --kl-divergence`` judges a format instead by the KL
 divergence ``KL(P_ref || P_q) = sum_v P_ref(v) (log P_ref(v) - log P_q(v))`` at every position of
 a held-out text, where ``P_ref`` is the unquantized model's distribution: zero exactly when the
 two agree everywhere, and its tail (the 99th percentile over tokens) shows the rare positions

@@ -3,8 +3,9 @@
 GPTQ needs each linear layer's input Hessian ``2 X^T X / n``, AWQ each input channel's mean
 magnitude and a sample of inputs: :func:`collect_stats` gathers all three in one pass of the
 unquantized model over calibration sequences (forward hooks on every linear of the transformer
-layers). That is the one-pass variant: the original GPTQ and AWQ quantize layer by layer and
-feed each layer the *quantized* layers' outputs, which costs a pass per layer.
+layers). That is the one-pass variant: the original GPTQ quantizes layer by layer and feeds
+each layer the *quantized* layers' outputs, which costs a pass per layer; the original AWQ
+searches its scales block by block on the full-precision block's (scaled) outputs.
 
 :func:`fake_quantize` then replaces every such linear's weight by its quantized-and-decoded
 value: what a kernel that reads the format computes, up to the order of its additions. The
