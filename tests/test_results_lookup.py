@@ -90,6 +90,12 @@ def test_load_result_names_the_machine_or_says_how_to_make_it(monkeypatch, tmp_p
     results.load_result("routing")
     said = capsys.readouterr().out
     assert "r1" in said and "r2" in said
+    write(tmp_path / "benchmarks" / "results", "quant_formats",
+          {"runs": {"a": {"provenance": {"device": "cpu", "commit": "q1"}},
+                    "b": {"provenance": {"device": "cpu", "commit": "q2"}}}})
+    results.load_result("quant_formats")
+    said = capsys.readouterr().out
+    assert "q1" in said and "q2" in said and "?" not in said.split("\n")[0]
 
 
 @pytest.mark.parametrize("bad", ["", "/etc/passwd", "../secrets", "gpu/../../x"])

@@ -80,6 +80,9 @@ def load_result(name: str, timeout: float = 10.0) -> dict[str, Any] | None:
               f"that has it, or run `python -m benchmarks.{module}` in the repository)")
         return None
     prov = data.get("provenance")  # one run's dict, or a list of runs' dicts
+    if prov is None and isinstance(data.get("runs"), dict):  # runs by name, each with its own
+        prov = [run["provenance"] for run in data["runs"].values()
+                if isinstance(run, dict) and isinstance(run.get("provenance"), dict)] or None
     runs = prov if isinstance(prov, list) else [prov if isinstance(prov, dict) else data]
     for meta in runs:  # a result taken in several runs names each one
         machine = meta.get("device_name") or meta.get("device") or "?"
