@@ -95,7 +95,7 @@ def test_load_result_names_the_machine_or_says_how_to_make_it(monkeypatch, tmp_p
                     "b": {"provenance": {"device": "cpu", "commit": "q2"}}}})
     results.load_result("quant_formats")
     said = capsys.readouterr().out
-    assert "q1" in said and "q2" in said and "?" not in said.split("\n")[0]
+    assert "commit q1" in said and "commit q2" in said
 
 
 @pytest.mark.parametrize("bad", ["", "/etc/passwd", "../secrets", "gpu/../../x"])
