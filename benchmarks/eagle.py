@@ -1,7 +1,7 @@
 """EAGLE on free text: acceptance length and batch-1 speedup beside prompt lookup and early exit.
 
 SmolLM2-135M-Instruct (fp32) answers held-out free-text prompts (``benchmarks.eagle_prompts``,
-disjoint from the head's training prompts; the first is Chapter 9's free-text prompt) one at a
+disjoint from the head's training prompts; the second is Chapter 9's free-text prompt) one at a
 time, greedily, with ``ignore_eos``: without speculation, with ``ngram`` k = 4, ``early_exit``
 (24 of 30 layers, k = 2, Chapter 9's rows) and the shipped EAGLE head as a chain of k = 2, 4, 6
 and as a tree. ``--rounds`` rounds; a round runs, per prompt, the baseline and then every method

@@ -151,7 +151,9 @@ il.LLM("smollm2-135m-instruct", speculative_config={{"method": "eagle",
 
 - `head.safetensors`: bf16 weights ({record["head_bytes"] / 1e6:.1f} MB), the draft vocabulary
   ({record["draft_vocab_size"]} token ids, int32) and the metadata the loader checks against
-  the target (hidden size, vocabulary, heads, trained depth {record["trained_depth"]}).
+  the target (hidden size, vocabulary, heads, and `trained_depth`
+  {record["trained_depth"]}: the chain length the acceptance below was validated at; training
+  itself is one step ahead, teacher-forced).
 - `training_log.json`: the run (data, loss curve, validation, acceptance, machine, command).
 
 Trained by self-distillation on CPU: SmolLM2 answered {record["data"]["answers"]} prompts
@@ -187,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
     ap.add_argument("--batch", type=int, default=48, help="answers generated at once")
     ap.add_argument("--draft-vocab", type=int, default=8192)
-    ap.add_argument("--depth", type=int, default=8, help="trained (validated) depth")
+    ap.add_argument("--depth", type=int, default=8,
+                    help="depth to validate the head at, recorded as its trained_depth "
+                    "(the engine refuses deeper drafts); training is one step ahead")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
