@@ -1,8 +1,8 @@
 """What Chapter 13's second KV tier buys: reload an evicted prefix, or recompute it?
 
 For each prefix length L, one engine with a KV tier (files under a temporary folder, on the page
-cache in practice) times the time to first token of a prompt of L + 1 tokens three ways, side by
-side, each the median of ``--repeats``:
+cache in practice, so what ``tier`` pays is hashing and copying, not a disk) times the time to
+first token of a prompt of L + 1 tokens three ways, side by side, each the median of ``--repeats``:
 
 - ``recompute``: nothing cached (the pool and the tier empty): the whole prompt is prefilled;
 - ``tier``: the prefix's blocks were evicted from the pool to the tier: they are read back,
@@ -16,7 +16,8 @@ tier. Bytes per token are the tier's file bytes over the tokens they hold (heade
     python -m benchmarks.kv_tier [--model smollm2-135m-instruct] [--repeats 5]
 
 writes ``benchmarks/results/kv_tier.json`` with the load average before and after: this machine
-is shared, and only ratios taken side by side in one run mean much.
+is shared, and only ratios taken side by side in one run mean much (the committed file came from
+``--repeats 3``; its returning-conversation rows are medians of 3 as well, and noisy).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Colocated vs disaggregated vs two replicas, at one offered load, on this 2-core machine.
 
 Short chat-like requests (streaming) arrive as a Poisson process, and long prompts arrive among
-them; three ways to serve them with the bundled model, each process pinned with ``taskset``:
+them; three ways to serve them with the bundled model, each worker pinned with ``taskset`` (the
+router and the load generator are not pinned):
 
 - ``colocated``: one ``infer-lab serve`` on both cores (2 threads, chunked prefill);
 - ``disaggregated``: a prefill worker on core 0 and a decode worker on core 1 (1 thread each),
@@ -10,14 +11,18 @@ them; three ways to serve them with the bundled model, each process pinned with 
   round robin.
 
 For the short requests: inter-token latency p50/p99 (the interference a long prefill causes) and
-TTFT p50/p99, with 95% bootstrap intervals over requests; for all: goodput, the requests per
-second that met the SLO. The router's and the load generator's CPU seconds are recorded beside
-the figures, and the load average before and after: this machine is shared, so one run's
-absolute numbers are noisy, and only the configurations' order is worth quoting.
+TTFT p50/p99, with 95% bootstrap intervals that resample requests as independent (a stall shared
+by every running request is not: read them as a floor on the uncertainty); with a few dozen short
+requests a TTFT p99 is close to their maximum. For all: goodput, the requests per second that
+met the SLO. The router's and the load generator's CPU seconds are recorded beside the figures,
+and the load average before and after (sampled then, not during): this machine is shared, so
+one run's figures are noisy; quote differences only where they exceed the intervals.
 
-    python -m benchmarks.pd [--duration 40] [--rate 2] [--long-every 4]
+    python -m benchmarks.pd [--duration 40] [--rate 2] [--long-every 4] [--out pd]
 
-writes ``benchmarks/results/pd.json``.
+writes ``benchmarks/results/<out>.json``. The committed ``pd.json`` came from
+``--duration 30 --rate 0.5 --long-every 6``, and ``pd_overload.json`` from
+``--duration 30 --rate 2 --long-every 4 --out pd_overload``.
 """
 
 from __future__ import annotations

@@ -172,3 +172,15 @@ def test_the_endpoint_needs_a_token(loaded):
     model, tok = loaded
     with pytest.raises(ValueError, match="token"):
         KVTransferServer(LLMEngine(model, tok, num_kv_blocks=8), "")
+
+
+def test_a_peer_not_on_the_allow_list_is_refused(loaded):
+    model, tok = loaded
+    sender = LLMEngine(model, tok, num_kv_blocks=8, block_size=16)
+    server = KVTransferServer(sender, TOKEN, allow=("192.0.2.1",))  # loopback not allowed
+    try:
+        with pytest.raises(KVTransferError, match="not allowed"):
+            pull_blocks(server.host, server.port, TOKEN, "x", [0], engine_namespace(sender))
+        assert server.refusals == 1
+    finally:
+        server.close()
