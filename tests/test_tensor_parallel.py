@@ -219,7 +219,10 @@ def test_ctrl_c_stops_engine_and_workers(tmp_path) -> None:
 
     script = tmp_path / "serve_like.py"
     script.write_text(
-        "import time, infer_lab as il\n"
+        "import signal, time, infer_lab as il\n"
+        # a harness that starts tests in the background hands SIGINT down ignored; a terminal
+        # does not: the script takes Ctrl-C as an interactive program would
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "llm = il.LLM(device='cpu', dtype='float32', tensor_parallel_size=2)\n"
         "print(llm.engine.model.tp_workers.procs[0].pid, flush=True)\n"
         "try:\n"
