@@ -163,3 +163,22 @@ def check_blocks(blocks: Sequence[int], num_blocks: int, seq: int) -> None:
     if bad:
         raise ValueError(f"sequence {seq}: block table entries {bad} are outside the pool of "
                          f"{num_blocks} blocks")
+
+
+Chunk = tuple[list[int], int, list[int]]  # a draft's (tokens, first position, block table)
+
+
+def flatten_chunks(chunks: list[Chunk], max_blocks: int, scratch: int, block_size: int,
+                   device: torch.device | str, wants: list[bool] | None = None) -> PagedBatch:
+    """The flattened batch of a draft's own forward: one row per chunk, its table padded with
+    the scratch block; logits for the ``wants`` chunks (None: every chunk)."""
+    tables = np.full((len(chunks), max_blocks), scratch, np.int64)
+    ids: list[int] = []
+    for r, (toks, _, table) in enumerate(chunks):
+        tables[r, : len(table)] = table
+        ids += toks
+    return flatten_batch(
+        ids, np.asarray([c[1] for c in chunks], np.int64),
+        np.asarray([len(c[0]) for c in chunks], np.int64), tables,
+        np.arange(len(chunks), dtype=np.int64), block_size, device,
+        None if wants is None else np.asarray(wants, bool))

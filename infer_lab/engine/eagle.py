@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from infer_lab.cache.batch import PagedBatch, flatten_batch
+from infer_lab.cache.batch import PagedBatch, flatten_chunks
 from infer_lab.cache.kv_quant import attention_backend_for, make_paged_kv_cache
 from infer_lab.cache.paged import PagedAttentionContext
 from infer_lab.engine.draft_tree import DraftTree, chain_paths, tree_mask, tree_parents
@@ -184,15 +184,8 @@ class EagleProposer:
     def _batch(self, chunks: list[tuple[list[int], int, list[int]]],
                positions: list[np.ndarray] | None = None,
                regions: dict[int, np.ndarray] | None = None) -> PagedBatch:
-        tables = np.full((len(chunks), self.max_blocks), self.scratch, np.int64)
-        ids: list[int] = []
-        for r, (toks, _, table) in enumerate(chunks):
-            tables[r, : len(table)] = table
-            ids += toks
-        batch = flatten_batch(
-            ids, np.asarray([c[1] for c in chunks], np.int64),
-            np.asarray([len(c[0]) for c in chunks], np.int64), tables,
-            np.arange(len(chunks), dtype=np.int64), self.block_size, self.device)
+        batch = flatten_chunks(chunks, self.max_blocks, self.scratch, self.block_size,
+                               self.device)
         if positions is not None:  # tree nodes sit at the position of their depth
             batch.positions = torch.from_numpy(np.concatenate(positions)).to(self.device)
         if regions:

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from infer_lab.cache.batch import flatten_batch
+from infer_lab.cache.batch import Chunk, flatten_chunks
 from infer_lab.cache.kv_quant import attention_backend_for, make_paged_kv_cache
 from infer_lab.cache.paged import PagedAttentionContext
 from infer_lab.engine.draft_tree import chain_paths, parse_token_tree
@@ -242,18 +242,10 @@ class DraftModelProposer:
         self.generator.manual_seed(engine_config.seed + 1)
 
     @torch.inference_mode()
-    def _forward(self, chunks: list[tuple[list[int], int, list[int]]], wants: list[bool]):
+    def _forward(self, chunks: list[Chunk], wants: list[bool]):
         """One flattened forward of ``(tokens, start, table)`` chunks; logits of wanted chunks."""
-        tables = np.full((len(chunks), self.max_blocks), self.scratch, np.int64)
-        ids: list[int] = []
-        for r, (toks, _, table) in enumerate(chunks):
-            tables[r, : len(table)] = table
-            ids += toks
-        batch = flatten_batch(
-            ids, np.asarray([c[1] for c in chunks], np.int64),
-            np.asarray([len(c[0]) for c in chunks], np.int64), tables,
-            np.arange(len(chunks), dtype=np.int64), self.block_size, self.device,
-            np.asarray(wants, bool))
+        batch = flatten_chunks(chunks, self.max_blocks, self.scratch, self.block_size,
+                               self.device, wants)
         ctx = PagedAttentionContext(self.cache, batch, backend=self.backend)
         return self.model(batch.input_ids, batch.positions, ctx)
 
