@@ -4,7 +4,8 @@ Well-behaved clients loop (streaming or not, greedy, known prompts) and check ev
 against a naive greedy reference; other clients hang up mid-stream or before a non-streaming
 answer; a trickle of hostile requests (int64 ``top_k``, lone surrogates, image parts, chunked
 bodies over the limit, half-sent headers, a flood of stop strings, a body framed twice, a schema
-nested 5,000 deep, a grammar that accepts nothing, ``min_p``, ``n`` = 64) arrives throughout.
+nested 5,000 deep, a grammar that accepts nothing, ``min_p`` out of [0, 1], ``typical_p``,
+a ``logit_bias`` key outside the vocabulary, ``n`` = 64) arrives throughout.
 Beside them, issue 24's attackers (``attackers=True``): *stalled readers* open big streams and
 never read (the server must cut them after its send timeout), *slot hogs* ask for ``n`` =
 ``max_n`` long greedy samples (admitted within the token budget, or 429; every sample checked),
@@ -188,7 +189,8 @@ def _hostile_requests() -> list[tuple[str, str, Any]]:
          {"prompt": "Amen", "structured_outputs": {"grammar": "root ::= root"}}),
         ("ambiguous_grammar", "/v1/completions",
          {"prompt": "Amen", "structured_outputs": {"grammar": 'root ::= s\ns ::= s s | "a"'}}),
-        ("min_p", "/v1/completions", {"prompt": "Amen", "min_p": 0.2}),
+        ("min_p_out_of_range", "/v1/completions", {"prompt": "Amen", "min_p": 1.5}),
+        ("typical_p", "/v1/completions", {"prompt": "Amen", "typical_p": 0.5}),
         ("n_64", "/v1/completions", {"prompt": "Amen", "n": 64, "max_tokens": 400}),
         ("top_k_int64", "/v1/completions", {"prompt": "Amen", "top_k": 2**63,
                                             "temperature": 1.0, "max_tokens": 4}),
@@ -201,7 +203,8 @@ def _hostile_requests() -> list[tuple[str, str, Any]]:
         ("nan_temperature", "/v1/completions", b'{"prompt": "Amen", "temperature": NaN}'),
         ("over_limit", "/v1/completions", big),
         ("not_json", "/v1/completions", b"{{{{"),
-        ("logit_bias", "/v1/completions", {"prompt": "Amen", "logit_bias": {"1": 100}}),
+        ("logit_bias_outside_vocab", "/v1/completions",
+         {"prompt": "Amen", "logit_bias": {str(2**40): 100}}),
     ]
 
 

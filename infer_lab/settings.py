@@ -21,6 +21,8 @@ variable                   type             default      what it changes
 ``INFER_LAB_RESULTS``      folder or URL    (none)       where chapters find committed benchmark
                                                          results
 ``INFER_LAB_API_KEY``      string           (none)       the key ``infer-lab serve`` requires
+``INFER_LAB_KV_TOKEN``     string           (none)       the token KV-moving workers share
+                                                         (``--kv-role``, Chapter 13)
 ``INFER_LAB_TP_BACKEND``   gloo|nccl        (by device)  the tensor-parallel collective backend
 ``INFER_LAB_TP_AUTHKEY``   hex bytes        (none)       set by the engine for its worker
                                                          processes; never set it yourself
@@ -153,13 +155,17 @@ TP_BACKEND: Setting[str | None] = Setting(
     "INFER_LAB_TP_BACKEND", None, _choice(TP_BACKENDS), "gloo|nccl",
     "The torch.distributed backend of tensor parallelism (default: nccl with a GPU per rank, "
     "else gloo).")
+KV_TOKEN: Setting[str] = Setting(
+    "INFER_LAB_KV_TOKEN", "", _text, "string",
+    "The shared token prefill and decode workers prove themselves with when they move KV blocks "
+    "(`infer-lab serve --kv-role`, Chapter 13); kept out of the command line.")
 TP_AUTHKEY: Setting[bytes | None] = Setting(
     "INFER_LAB_TP_AUTHKEY", None, _hex_bytes, "hex bytes",
     "The key a tensor-parallel worker proves itself with; the engine sets it for the workers it "
     "starts.")
 
 ALL: tuple[Setting, ...] = (
-    DTYPE, KERNELS, MOE, CACHE, SMOLLM2, RESULTS, API_KEY, TP_BACKEND, TP_AUTHKEY,
+    DTYPE, KERNELS, MOE, CACHE, SMOLLM2, RESULTS, API_KEY, KV_TOKEN, TP_BACKEND, TP_AUTHKEY,
 )
 
 
@@ -167,7 +173,8 @@ def describe() -> str:
     """A table of every setting: name, type, default, value in force."""
     rows = [("variable", "type", "default", "now")]
     for s in ALL:
-        shown = "(set)" if s is TP_AUTHKEY and s.raw() else (s.raw() or "")
+        secret = s in (TP_AUTHKEY, KV_TOKEN, API_KEY)
+        shown = "(set)" if secret and s.raw() else (s.raw() or "")
         rows.append((s.name, s.type, "" if s.default is None else str(s.default), shown))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 
+from infer_lab import settings
 from infer_lab.engine import RequestOutput
 from infer_lab.engine.kv_connector import attach_kv_tier, engine_namespace, inject_blocks
 from infer_lab.engine.kv_transfer import (
@@ -287,7 +287,7 @@ def install_kv(app: FastAPI, args: argparse.Namespace) -> None:
     if args.kv_role is None:
         return
     config = KVRoleConfig(
-        args.kv_role, os.environ.get(TOKEN_ENV, ""), args.kv_transfer_host,
+        args.kv_role, settings.KV_TOKEN.get(), args.kv_transfer_host,
         args.kv_transfer_port, peers=frozenset(_peers(args.kv_peers)),
         allow=tuple(a for a in args.kv_allow.split(",") if a),
         pin_timeout_s=args.kv_pin_timeout, on_failure=args.kv_on_failure)
