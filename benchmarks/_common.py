@@ -12,10 +12,14 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# A benchmark imports this module as it starts: its run began about now. With the host, this
+# lets a reader tell whether two committed runs shared a machine at the same time.
+STARTED = dt.datetime.now(dt.timezone.utc)
 
 
 def provenance(device: str) -> dict[str, Any]:
-    """Where and when a number was taken: device, commit, date, library versions."""
+    """Where and when a number was taken: device, host, commit, start and end (``date``) of
+    the run, library versions."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
@@ -27,8 +31,10 @@ def provenance(device: str) -> dict[str, Any]:
     return {
         "device": device,
         "device_name": name or platform.machine(),
+        "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
         "commit": commit,
+        "started": STARTED.isoformat(timespec="seconds"),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "python": platform.python_version(),

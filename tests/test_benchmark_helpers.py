@@ -3,7 +3,10 @@ refactor of ``step()`` once broke ``cpu_cost_per_step`` without a test noticing)
 
 from __future__ import annotations
 
+import datetime as dt
+
 import infer_lab as il
+from benchmarks._common import provenance
 from benchmarks.batching import cpu_cost_per_step
 
 
@@ -12,3 +15,13 @@ def test_cpu_cost_per_step_runs_every_sequence_through_whole_steps():
     cost = cpu_cost_per_step(model, tok, num_seqs=8, steps=5)
     assert cost["num_seqs"] == 8  # none failed, none finished
     assert 0 < cost["scheduler_runner_us"] < cost["full_step_us"]
+
+
+def test_provenance_says_which_host_and_when_the_run_started_and_ended():
+    """Two committed runs can be told apart as sequential or overlapping (Chapter 13 found
+    two that overlapped only from their end times and durations)."""
+    prov = provenance("cpu")
+    started = dt.datetime.fromisoformat(prov["started"])
+    ended = dt.datetime.fromisoformat(prov["date"])
+    assert prov["host"] and started <= ended
+    assert ended - started < dt.timedelta(days=1)  # the import time, not a constant
