@@ -13,10 +13,11 @@ largest. Greedy output is checked identical to the baseline's.
 
 Per row also: acceptance rate, mean accepted length (tokens per verification, the bonus token
 included) and its distribution (the fraction of verifications that kept exactly 1, 2, ...
-tokens); the draft's measured cost c (proposer time per drafted token over a baseline decode
-step's time, same clock) and Leviathan et al.'s expected speedup
-(1 - a^(k+1)) / ((1 - a)(k c + 1)) from the measured per-token acceptance a, beside the measured
-one (for a tree, k is its depth and c its whole proposal's cost over k).
+tokens); the draft's measured cost c (proposer time per draft over k, the configured depth,
+over a baseline decode step's time, same clock; a draft cut short near max_tokens still counts
+k) and Leviathan et al.'s expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)) from the
+measured per-token acceptance a, beside the measured one (for a tree, k is its depth and c its
+whole proposal's cost over k).
 
     python -m benchmarks.eagle [--rounds 2] [--max-tokens 32] [--prompts 3] [--threads 1]
         [--clock cpu|wall] [--out DIR]
@@ -176,9 +177,10 @@ def main(argv: list[str] | None = None) -> None:
                "note": "batch 1, greedy, ignore_eos, prefill not timed; speedup = baseline "
                        "decode time / method's, same prompt and round, median over prompts x "
                        "rounds (lo/hi: smallest/largest); draft_cost_c = proposer time per "
-                       "drafted token / baseline step time; predicted_speedup = Leviathan "
-                       "et al. from alpha (per-token acceptance solving sum a^i = accepted "
-                       "per draft) and c"}
+                       "draft / k (the configured depth: a tree's depth, not its nodes; a "
+                       "chain cut short still counts k) / baseline step time; "
+                       "predicted_speedup = Leviathan et al. from alpha (per-token "
+                       "acceptance solving sum a^i = accepted per draft) and c"}
     path = write_results("eagle", payload, args.out)
     print(f"wrote {path}")
 

@@ -55,3 +55,23 @@ def test_probes_use_health_and_the_served_port() -> None:
         block = text.split(probe + ":", 1)[1].split("Probe:", 1)[0]
         assert "path: /health" in block and "port: http" in block, probe
     assert "containerPort: 8000" in text
+
+
+def test_the_pod_outlasts_the_servers_drain() -> None:
+    """The container's args parse as `infer-lab serve` flags (after the image's entrypoint),
+    and the pod's grace covers the drain they set plus uvicorn's 5 s to close connections
+    (serve/server.py): else SIGKILL would cut requests the drain promised to finish."""
+    import yaml
+
+    from infer_lab.cli import build_parser
+
+    docs = yaml.safe_load_all((DEPLOY / "infer-lab.yaml").read_text())
+    (deployment,) = [d for d in docs if d and d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (server,) = [c for c in pod["containers"] if c["name"] == "server"]
+    entry = (DEPLOY / "Dockerfile").read_text().split("ENTRYPOINT ", 1)[1].splitlines()[0]
+    argv = [*yaml.safe_load(entry), *server["args"]]
+    assert argv[:2] == ["infer-lab", "serve"]
+    args = build_parser().parse_args(argv[1:])
+    assert args.shutdown_grace > 10  # raised from the default for long generations
+    assert args.shutdown_grace + 5 <= pod["terminationGracePeriodSeconds"]

@@ -284,6 +284,29 @@ def test_bad_heads_trees_and_depths_are_refused(bundled, head, tmp_path):
         LLMEngine(wider, tok, speculative_config=chain(head))  # a head object, wrong target
 
 
+def test_kv_written_from_outside_is_refused(bundled, head, tmp_path):
+    """A KV tier's restores and a P/D receiver's blocks carry K/V but no target features: an
+    EAGLE engine refuses both at set-up (its head would draft from stale features)."""
+    from types import SimpleNamespace
+
+    from infer_lab.engine.kv_connector import attach_kv_tier, inject_blocks
+    from infer_lab.serve.disagg import KVDisagg, KVRoleConfig
+
+    model, tok = bundled
+    engine = LLMEngine(model, tok, speculative_config=chain(head))
+    with pytest.raises(ValueError, match="KV tier is not supported with EAGLE"):
+        attach_kv_tier(engine, tmp_path, 1 << 20)
+    assert engine.kv.tier is None
+    with pytest.raises(ValueError, match="receiving KV blocks is not supported with EAGLE"):
+        inject_blocks(engine, list(range(40)), [])
+    for role in ("decode", "both"):
+        with pytest.raises(ValueError, match=f"--kv-role {role} is not supported with EAGLE"):
+            KVDisagg(SimpleNamespace(engine=engine), KVRoleConfig(role, "token"))
+    plain = LLMEngine(model, tok, speculative_config={"method": "ngram",
+                                                      "num_speculative_tokens": 2})
+    assert attach_kv_tier(plain, tmp_path, 1 << 20) is plain.kv.tier  # other drafts: fine
+
+
 def test_head_file_round_trip(bundled, head, tmp_path):
     """Saved and loaded (bf16 on disk), the head drafts for the same target."""
     model, tok = bundled

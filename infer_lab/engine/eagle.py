@@ -4,9 +4,11 @@ Each target forward hands the proposer its last hidden states (the runner's
 ``hidden_states_hook``; the model computes them only when asked, through its attention
 context), and the proposer stores each row's *feature* at that row's cache slot, in a pool laid
 out like the KV cache and addressed by the target's block tables. So the features of every
-position the target has computed are at hand, whoever computed them: a prefix-cache hit, a
-preempted and recomputed sequence and a verification forward all leave the pool complete, and no
-second target pass is ever needed.
+position this engine's target has computed are at hand, whichever request computed them: a
+prefix-cache hit in this engine's own pool, a preempted and recomputed sequence and a
+verification forward all leave the pool complete, and no second target pass is ever needed.
+K/V written from outside (a KV tier's restore, a prefill server's blocks) would carry no
+features, so those are refused with EAGLE (``kv_connector.refuse_eagle``).
 
 The head (:class:`~infer_lab.model.eagle_head.EagleHead`) has a KV cache of its own in the same
 pool layout. Its slot p holds the pair (feature of p - 1, token p), so what a slot holds depends

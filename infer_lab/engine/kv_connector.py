@@ -30,6 +30,20 @@ def engine_namespace(engine: LLMEngine) -> bytes:
     return ns
 
 
+def refuse_eagle(engine: LLMEngine, what: str) -> None:
+    """Refuse K/V written from outside for an engine that drafts with EAGLE.
+
+    The EAGLE proposer keeps the target's features per cache slot and fills them only from this
+    engine's own forwards; a block written from bytes (a tier restore, a received prefix)
+    carries K/V but no features, so the head would draft from stale ones: the output stays
+    right (the target verifies), the acceptance silently drops. Refused, not degraded.
+    """
+    spec = engine.spec
+    if spec is not None and spec.cfg.method == "eagle":
+        raise ValueError(f"{what} is not supported with EAGLE speculation: blocks written from "
+                         "outside carry K/V but not the target features the head drafts from")
+
+
 def attach_kv_tier(engine: LLMEngine, root: str | os.PathLike, capacity_bytes: int) -> KVTier:
     """Give ``engine`` a second KV tier: files under ``root``, at most ``capacity_bytes``."""
     if not engine.kv.enable_prefix_caching:
@@ -37,6 +51,7 @@ def attach_kv_tier(engine: LLMEngine, root: str | os.PathLike, capacity_bytes: i
     if engine.executor.is_tensor_parallel:
         raise ValueError("a KV tier is not supported with tensor parallelism (each rank holds "
                          "part of a block)")
+    refuse_eagle(engine, "a KV tier")
     store = KVByteStore(root, capacity_bytes, engine_namespace(engine))
     tier = KVTier(engine.kv.pool, engine.runner.cache, store)
     engine.kv.tier = tier
@@ -79,6 +94,7 @@ def inject_blocks(engine: LLMEngine, token_ids: Sequence[int],
     cached here are kept as they are. Returns how many of the prompt's leading full blocks are
     cached here afterwards (the receiver computes the rest).
     """
+    refuse_eagle(engine, "receiving KV blocks")
     pool, cache = engine.kv.pool, engine.runner.cache
     if not pool.enable_caching:
         return 0

@@ -37,7 +37,12 @@ from fastapi import FastAPI, Request
 
 from infer_lab import settings
 from infer_lab.engine import RequestOutput
-from infer_lab.engine.kv_connector import attach_kv_tier, engine_namespace, inject_blocks
+from infer_lab.engine.kv_connector import (
+    attach_kv_tier,
+    engine_namespace,
+    inject_blocks,
+    refuse_eagle,
+)
 from infer_lab.engine.kv_transfer import (
     KVTransferError,
     KVTransferServer,
@@ -105,6 +110,8 @@ class KVDisagg:
 
     def __init__(self, engine: AsyncEngine, config: KVRoleConfig) -> None:
         self.engine, self.config = engine, config
+        if config.consumes:
+            refuse_eagle(engine.engine, f"--kv-role {config.role}")
         self.namespace = engine_namespace(engine.engine)
         self.endpoint: KVTransferServer | None = None
         if config.produces:
