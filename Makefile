@@ -1,6 +1,8 @@
 # Every target does its own set-up: a fresh clone needs nothing but python3 (3.10+) and make.
 # TORCH_SPEC pins the CPU build that this project's CI machines have on disk; on a GPU machine
-# or Colab, keep your own torch:  make test TORCH_SPEC=
+# or Colab, keep your own torch:  make test TORCH_SPEC=  (an empty TORCH_SPEC makes .venv with
+# --system-site-packages, so the machine's torch satisfies the dependency and is not replaced;
+# a .venv made before without it must be removed first)
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
@@ -28,7 +30,7 @@ help:
 	@echo "make generate [PROMPT='...'] - set up .venv, then stream a continuation from the bundled model"
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(if $(TORCH_SPEC),,--system-site-packages) $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
 	$(BIN)/python -m pip install -q -e '.[dev]'

