@@ -426,3 +426,16 @@ def test_the_guidellm_appendix_quotes_the_committed_result():
     assert (f"{g8['cpu_s']:.1f} s of CPU time in an {g8['wall_s']:.1f} s\ninvocation whose "
             f"measured part lasted {g8['duration_s']:.1f} s") in page
     assert f"averaged {c8['infer_lab']['client_cpu']} of a core" in page
+    # the server's own means at C = 8 and the rates the TTFT paragraph reads
+    srv = c8["server_mean_ms"]
+    gap_rise = srv["guidellm"]["itl"] / srv["infer_lab"]["itl"] - 1
+    assert f"mean gap rose by {round(100 * gap_rise)}%" in page
+    assert (f"({srv['guidellm']['ttft']:.1f} ms while guidellm ran against "
+            f"{srv['infer_lab']['ttft']:.1f} ms while ours did)") in page
+    assert srv["guidellm"]["ttft"] < srv["infer_lab"]["ttft"]
+    rates = (g8["request_throughput"], c8["infer_lab"]["metrics"]["request_throughput"])
+    assert f"completed {rates[0]:.1f} requests/s at a mean gap of " in page
+    assert f"ours {rates[1]:.1f} at {srv['infer_lab']['itl']:.1f} ms" in page
+    per_step = [r * g / 1e3 for r, g in zip(rates, (srv["guidellm"]["itl"],
+                                                  srv["infer_lab"]["itl"]))]
+    assert all(f"{x:.2f}" == "0.12" for x in per_step) and "0.12 new prompts" in page
