@@ -41,7 +41,8 @@ import infer_lab as il
 from benchmarks._common import print_table, provenance, write_results
 from infer_lab.cache.kv_quant import with_kv_cache_dtype
 from infer_lab.measure.kl import CachedReference, kl_divergence
-from infer_lab.model.quant.awq import awq_int4
+from infer_lab.model.config import ModelConfig
+from infer_lab.model.quant.awq import awq_int4, scales_fold
 from infer_lab.model.quant.calibrate import (
     collect_stats,
     fake_quantize,
@@ -67,11 +68,14 @@ def _act_int8(name: str, x: torch.Tensor) -> torch.Tensor:
     return dequantize_int8(*quantize_int8(x.float()))
 
 
-def calibrated(stats: dict, method: str, group: int) -> Callable:
+def calibrated(stats: dict, method: str, group: int, config: ModelConfig) -> Callable:
+    """GPTQ or AWQ int4 of each layer linear; AWQ leaves o_proj unscaled (plain RTN) where its
+    scales could not fold into V (grouped-query attention), as AutoAWQ does."""
     def fn(name: str, w: torch.Tensor) -> tuple[torch.Tensor, float]:
         st = stats[name]
+        alphas = ALPHAS if scales_fold(name, config) else (0.0,)
         t = (gptq_int4(w, st.hessian, group, name=name) if method == "gptq"
-             else awq_int4(w, st.mean_abs, st.sample, group, alphas=ALPHAS, name=name))
+             else awq_int4(w, st.mean_abs, st.sample, group, alphas=alphas, name=name))
         return t.dequantize(name), t.bits_per_weight
     return fn
 
@@ -108,8 +112,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     weights = dict(WEIGHT_FORMATS) if name == "tiny-kjv" else {
         k: WEIGHT_FORMATS[k] for k in SMOL_WEIGHTS}
     for g in (128, 32):
-        weights[f"int4 g{g} GPTQ"] = calibrated(stats, "gptq", g)
-        weights[f"int4 g{g} AWQ"] = calibrated(stats, "awq", g)
+        weights[f"int4 g{g} GPTQ"] = calibrated(stats, "gptq", g, model.config)
+        weights[f"int4 g{g} AWQ"] = calibrated(stats, "awq", g, model.config)
     keep = set(args.only) if args.only else None
     weights = {k: v for k, v in weights.items() if keep is None or k in keep}
     for label, fn in weights.items():
