@@ -23,7 +23,9 @@ average is recorded at the start and the end: seconds per row are only a rough g
     python -m benchmarks.quant_formats --merge a/quant_formats.json b/quant_formats.json
 
 ``--merge`` joins runs of one model each (run side by side, one process per model) into one
-file; every model keeps its own run's provenance, settings and load averages under ``runs``.
+file; every model keeps its own run's provenance, settings and load averages under ``runs``. A
+later file with a model already merged replaces those rows (a rerun with ``--only``), recorded
+under that model's ``runs[model]["reruns"]``.
 """
 
 from __future__ import annotations
@@ -176,14 +178,28 @@ def main() -> None:
 
 
 def merge(files: list[Path]) -> dict:
-    """One result of several runs' files: the models of all, each run's metadata by model."""
+    """One result of several runs' files: the models of all, each run's metadata by model.
+
+    A model that an earlier file already holds is a rerun of some of its rows (``--only``): its
+    rows replace the earlier rows of the same format, and its run's metadata is kept under that
+    model's ``reruns`` with the formats it replaced."""
     out: dict = {"models": [], "runs": {}}
     for f in files:
         data = json.loads(f.read_text())
         meta = {k: v for k, v in data.items() if k not in ("models", "runs")}
         for m in data["models"]:
-            out["models"].append(m)
-            out["runs"][m["model"]] = data.get("runs", {}).get(m["model"], meta)
+            run = data.get("runs", {}).get(m["model"], meta)
+            old = next((o for o in out["models"] if o["model"] == m["model"]), None)
+            if old is None:
+                out["models"].append(m)
+                out["runs"][m["model"]] = run
+                continue
+            new = {r["format"]: r for r in m["rows"]}
+            kept = {r["format"] for r in old["rows"]}
+            old["rows"] = [new.get(r["format"], r) for r in old["rows"]]
+            old["rows"] += [r for fmt, r in new.items() if fmt not in kept]
+            out["runs"][m["model"]].setdefault("reruns", []).append(
+                {"formats": list(new), **{k: v for k, v in run.items() if k != "reruns"}})
     return out
 
 
