@@ -23,7 +23,9 @@ average is recorded at the start and the end: seconds per row are only a rough g
     python -m benchmarks.quant_formats --merge a/quant_formats.json b/quant_formats.json
 
 ``--merge`` joins runs of one model each (run side by side, one process per model) into one
-file; every model keeps its own run's provenance, settings and load averages under ``runs``.
+file; every model keeps its own run's provenance, settings and load averages under ``runs``. A
+later file with a model already merged replaces those rows (a rerun with ``--only``), recorded
+under that model's ``runs[model]["reruns"]``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ import infer_lab as il
 from benchmarks._common import print_table, provenance, write_results
 from infer_lab.cache.kv_quant import with_kv_cache_dtype
 from infer_lab.measure.kl import CachedReference, kl_divergence
-from infer_lab.model.quant.awq import awq_int4
+from infer_lab.model.config import ModelConfig
+from infer_lab.model.quant.awq import awq_int4, scales_fold
 from infer_lab.model.quant.calibrate import (
     collect_stats,
     fake_quantize,
@@ -67,11 +70,14 @@ def _act_int8(name: str, x: torch.Tensor) -> torch.Tensor:
     return dequantize_int8(*quantize_int8(x.float()))
 
 
-def calibrated(stats: dict, method: str, group: int) -> Callable:
+def calibrated(stats: dict, method: str, group: int, config: ModelConfig) -> Callable:
+    """GPTQ or AWQ int4 of each layer linear; AWQ leaves o_proj unscaled (plain RTN) where its
+    scales could not fold into V (grouped-query attention), as AutoAWQ does."""
     def fn(name: str, w: torch.Tensor) -> tuple[torch.Tensor, float]:
         st = stats[name]
+        alphas = ALPHAS if scales_fold(name, config) else (0.0,)
         t = (gptq_int4(w, st.hessian, group, name=name) if method == "gptq"
-             else awq_int4(w, st.mean_abs, st.sample, group, alphas=ALPHAS, name=name))
+             else awq_int4(w, st.mean_abs, st.sample, group, alphas=alphas, name=name))
         return t.dequantize(name), t.bits_per_weight
     return fn
 
@@ -108,8 +114,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     weights = dict(WEIGHT_FORMATS) if name == "tiny-kjv" else {
         k: WEIGHT_FORMATS[k] for k in SMOL_WEIGHTS}
     for g in (128, 32):
-        weights[f"int4 g{g} GPTQ"] = calibrated(stats, "gptq", g)
-        weights[f"int4 g{g} AWQ"] = calibrated(stats, "awq", g)
+        weights[f"int4 g{g} GPTQ"] = calibrated(stats, "gptq", g, model.config)
+        weights[f"int4 g{g} AWQ"] = calibrated(stats, "awq", g, model.config)
     keep = set(args.only) if args.only else None
     weights = {k: v for k, v in weights.items() if keep is None or k in keep}
     for label, fn in weights.items():
@@ -172,14 +178,28 @@ def main() -> None:
 
 
 def merge(files: list[Path]) -> dict:
-    """One result of several runs' files: the models of all, each run's metadata by model."""
+    """One result of several runs' files: the models of all, each run's metadata by model.
+
+    A model that an earlier file already holds is a rerun of some of its rows (``--only``): its
+    rows replace the earlier rows of the same format, and its run's metadata is kept under that
+    model's ``reruns`` with the formats it replaced."""
     out: dict = {"models": [], "runs": {}}
     for f in files:
         data = json.loads(f.read_text())
         meta = {k: v for k, v in data.items() if k not in ("models", "runs")}
         for m in data["models"]:
-            out["models"].append(m)
-            out["runs"][m["model"]] = data.get("runs", {}).get(m["model"], meta)
+            run = data.get("runs", {}).get(m["model"], meta)
+            old = next((o for o in out["models"] if o["model"] == m["model"]), None)
+            if old is None:
+                out["models"].append(m)
+                out["runs"][m["model"]] = run
+                continue
+            new = {r["format"]: r for r in m["rows"]}
+            kept = {r["format"] for r in old["rows"]}
+            old["rows"] = [new.get(r["format"], r) for r in old["rows"]]
+            old["rows"] += [r for fmt, r in new.items() if fmt not in kept]
+            out["runs"][m["model"]].setdefault("reruns", []).append(
+                {"formats": list(new), **{k: v for k, v in run.items() if k != "reruns"}})
     return out
 
 

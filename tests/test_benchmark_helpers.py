@@ -25,3 +25,23 @@ def test_provenance_says_which_host_and_when_the_run_started_and_ended():
     ended = dt.datetime.fromisoformat(prov["date"])
     assert prov["host"] and started <= ended
     assert ended - started < dt.timedelta(days=1)  # the import time, not a constant
+
+
+def test_quant_formats_merge_replaces_rerun_rows_and_keeps_both_provenances(tmp_path):
+    import json
+
+    from benchmarks.quant_formats import merge
+
+    def run(path, commit, rows):
+        path.write_text(json.dumps({"provenance": {"commit": commit}, "models": [
+            {"model": "m", "rows": [{"format": f, "kl_mean": v} for f, v in rows]}]}))
+        return path
+
+    a = run(tmp_path / "a.json", "aaa", [("RTN", 1.0), ("AWQ", 2.0)])
+    b = run(tmp_path / "b.json", "bbb", [("AWQ", 3.0), ("new", 4.0)])
+    out = merge([a, b])
+    assert [(r["format"], r["kl_mean"]) for r in out["models"][0]["rows"]] == [
+        ("RTN", 1.0), ("AWQ", 3.0), ("new", 4.0)]
+    run_m = out["runs"]["m"]
+    assert run_m["provenance"]["commit"] == "aaa"
+    assert run_m["reruns"] == [{"formats": ["AWQ", "new"], "provenance": {"commit": "bbb"}}]

@@ -11,10 +11,11 @@ import torch
 import infer_lab as il
 from infer_lab.measure.kl import kl_divergence_many
 from infer_lab.model.quant import FormatError
-from infer_lab.model.quant.awq import awq_int4
+from infer_lab.model.quant.awq import ALPHAS, awq_int4, fold_input_scales, scales_fold
 from infer_lab.model.quant.calibrate import collect_stats, fake_quantize, layer_linears
 from infer_lab.model.quant.formats import WEIGHT_FORMATS
 from infer_lab.model.quant.gptq import Int4Groups, gptq_int4, rtn_int4
+from infer_lab.model.random import llama_config, random_model
 
 GEN = torch.Generator().manual_seed(0)
 HELDOUT = Path(il.__file__).parent / "assets" / "tiny-moe" / "heldout.txt"
@@ -76,6 +77,32 @@ def test_awq_protects_the_salient_channels():
     assert a.scales[:4].min() > a.scales[4:].max()
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_awq_scales_fold_into_the_op_before_except_o_proj_under_gqa(kv_heads):
+    """What "nothing is added at run time" rests on: every layer linear's input scale folds
+    into the op before it with the logits unchanged, except o_proj's when KV heads are shared."""
+    cfg = llama_config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=kv_heads)
+    model = random_model(cfg, device="cpu", dtype=torch.float32, std=0.1)
+    ids = torch.randint(0, 64, (1, 12), generator=GEN)
+    with torch.no_grad():
+        ref = model(ids)
+    before = {n: m.weight.clone() for n, m in layer_linears(model)}
+    layer = model.layers[0]
+    for name, mod in layer_linears(model):
+        s = torch.rand(mod.in_features, generator=GEN) * 4 + 0.25
+        if kv_heads < 4 and name.endswith("o_proj"):
+            assert not scales_fold(name, cfg)
+            with pytest.raises(FormatError, match="grouped-query"):
+                fold_input_scales(layer, name, s, cfg)
+            continue
+        assert scales_fold(name, cfg)
+        fold_input_scales(layer, name, s, cfg)
+        assert not torch.equal(mod.weight, before[name])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref, rtol=1e-4, atol=1e-5)
+
+
 def test_bad_g_idx_and_hessian_are_refused_with_the_name():
     t = rtn_int4(torch.randn(4, 64, generator=GEN), 32)
     bad = Int4Groups(t.qweight, t.scales, t.zeros, torch.full((64,), 5))
@@ -102,8 +129,10 @@ def test_tiny_calibration_end_to_end_beats_rtn_in_kl():
         t = gptq_int4(w, stats[name].hessian, group_size=128)
         return t.dequantize(name), t.bits_per_weight
 
-    def awq(name, w):
-        t = awq_int4(w, stats[name].mean_abs, stats[name].sample, group_size=128)
+    def awq(name, w):  # o_proj unscaled under GQA (4 heads, 2 KV heads), as the benchmark
+        alphas = ALPHAS if scales_fold(name, model.config) else (0.0,)
+        t = awq_int4(w, stats[name].mean_abs, stats[name].sample, group_size=128,
+                     alphas=alphas)
         return t.dequantize(name), t.bits_per_weight
 
     models = {n: fake_quantize(model, fn) for n, fn in

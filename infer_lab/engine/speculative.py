@@ -13,16 +13,17 @@ accepts the guess when the two agree. The accepted tokens are therefore the toke
 would have produced alone, token for token: greedy output is unchanged and a seeded request's
 output is the same with speculation on or off.
 
-With ``"draft_sampling": "sampled"`` (``draft_model`` and ``early_exit`` only) a draft *samples*
-its guesses from its own distribution q, at the request's temperature, top-k and top-p, whenever
-the request samples (greedy requests keep the greedy draft). The engine then verifies with the
-rejection rule (:func:`verify_sampled`, built on :func:`rejection_sample`; Leviathan et al. 2023;
-Chen et al. 2023): guess x is kept with probability min(1, p(x)/q(x)); the first one rejected is
-replaced by a draw from norm(max(0, p - q)); if all k are kept, a bonus token is drawn from p. The
-output is distributed exactly as without speculation, and a seeded request is reproducible (same
-seed, same batch, same output), but it is no longer the same token stream as with speculation off:
-the draws are different ones. A sampled draft is accepted more often than a greedy one when q is
-close to p, since the greedy guess is one fixed token that a sampling target often does not pick.
+With ``"draft_sampling": "sampled"`` (``draft_model``, ``early_exit``, and ``eagle`` with a chain
+rather than a tree) a draft *samples* its guesses from its own distribution q, at the request's
+temperature, top-k and top-p, whenever the request samples (greedy requests keep the greedy draft).
+The engine then verifies with the rejection rule (:func:`verify_sampled`, built on
+:func:`rejection_sample`; Leviathan et al. 2023; Chen et al. 2023): guess x is kept with
+probability min(1, p(x)/q(x)); the first one rejected is replaced by a draw from norm(max(0,
+p - q)); if all k are kept, a bonus token is drawn from p. The output is distributed exactly as
+without speculation, and a seeded request is reproducible (same seed, same batch, same output), but
+it is no longer the same token stream as with speculation off: the draws are different ones. A
+sampled draft is accepted more often than a greedy one when q is close to p, since the greedy guess
+is one fixed token that a sampling target often does not pick.
 
 Proposers:
 
@@ -80,11 +81,12 @@ class SpeculativeConfig:
     running or waiting (with greedy drafts it changes no output: accepted tokens are the model's
     own either way; with sampled drafts, the distribution only).
 
-    ``draft_sampling`` (``draft_model``, ``early_exit``): ``"greedy"`` (the default) drafts the
-    draft's argmax and accepts a guess when it equals the target's own sample, so output is the
-    same with speculation on or off; ``"sampled"`` makes the draft sample from its distribution
-    q at the request's temperature / top-k / top-p when the request samples, and verifies with
-    the rejection rule: the output keeps the target's distribution, but not its seeded stream.
+    ``draft_sampling`` (``draft_model``, ``early_exit``, chain ``eagle``): ``"greedy"`` (the
+    default) drafts the draft's argmax and accepts a guess when it equals the target's own
+    sample, so output is the same with speculation on or off; ``"sampled"`` makes the draft
+    sample from its distribution q at the request's temperature / top-k / top-p when the
+    request samples, and verifies with the rejection rule: the output keeps the target's
+    distribution, but not its seeded stream.
     """
 
     method: str

@@ -3,8 +3,13 @@
 A weight column that multiplies a large activation matters more to the output than one that
 multiplies a small one, but round-to-nearest gives every column of a group the same absolute
 step. AWQ (Lin et al., 2024) multiplies column ``k`` by ``s_k = mean|x_k|^alpha`` before
-quantizing and divides the activation by it (folded into the previous RMSNorm or linear, so
+quantizing and divides the activation by it (folded into the op that produces the input, so
 the product is unchanged and nothing is added at run time): ``y = (x / s) Q(W diag(s))^T``.
+:func:`fold_input_scales` does that fold: into the RMSNorm before ``qkv_proj`` and
+``gate_up_proj``, into ``up``'s rows before ``down_proj``, into ``v``'s rows before ``o_proj``.
+The last needs one V channel per ``o_proj`` input: under grouped-query attention a V channel
+feeds several query heads, so an arbitrary ``s`` cannot fold there, and (as AutoAWQ and llm-awq
+do) ``o_proj`` is then left unscaled: :func:`scales_fold` says which linears can take ``s``.
 The salient columns are then rounded on a finer relative grid. ``alpha`` is searched on a grid
 in [0, 1] per layer, minimizing the layer's output error on calibration activations; ``alpha=0``
 is plain RTN, so the search never does worse than RTN *on the calibration data*.
@@ -19,7 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from infer_lab.model.config import ModelConfig
 from infer_lab.model.quant import FormatError
 from infer_lab.model.quant.fp8 import check_finite
 from infer_lab.model.quant.gptq import Int4Groups, rtn_int4
@@ -37,7 +44,7 @@ class AWQResult:
 
     @property
     def bits_per_weight(self) -> float:
-        return self.int4.bits_per_weight  # the scales fold into the previous layer: no bytes
+        return self.int4.bits_per_weight  # the scales fold into the op before: no bytes
 
     def dequantize(self, name: str = "weight") -> torch.Tensor:
         return self.int4.dequantize(name) / self.scales[None, :]
@@ -70,3 +77,43 @@ def awq_int4(w: torch.Tensor, x_mean_abs: torch.Tensor, x_sample: torch.Tensor,
             best_err, best = err, AWQResult(q, s, alpha)
     assert best is not None
     return best
+
+
+def scales_fold(name: str, config: ModelConfig) -> bool:
+    """Whether AWQ's ``1/s`` on linear ``name``'s input folds into the op that produces it: yes
+    for every layer linear except ``o_proj`` under grouped-query attention (see the module)."""
+    return not (name.endswith("o_proj")
+                and config.num_attention_heads != config.num_key_value_heads)
+
+
+@torch.no_grad()
+def fold_input_scales(layer: nn.Module, name: str, s: torch.Tensor,
+                      config: ModelConfig) -> None:
+    """Multiply linear ``name``'s input columns (in decoder ``layer``) by ``s`` and divide the
+    op that produces that input by ``s``, in place: the layer's outputs are unchanged."""
+    if not scales_fold(name, config):
+        raise FormatError(f"{name}: under grouped-query attention ({config.num_attention_heads} "
+                          f"query heads, {config.num_key_value_heads} KV heads) a V channel "
+                          "feeds several o_proj inputs; a per-channel scale cannot fold into it")
+    attn, mlp = layer.self_attn, layer.mlp
+    if name.endswith("qkv_proj"):
+        before, consumer = layer.input_layernorm.weight, attn.qkv_proj
+    elif name.endswith("gate_up_proj"):
+        before, consumer = layer.post_attention_layernorm.weight, mlp.gate_up_proj
+    elif name.endswith("down_proj"):  # silu(gate) * up: up's rows (the second half) carry it
+        up = mlp.gate_up_proj
+        half = up.out_features // 2
+        before, consumer = up.weight[half:], mlp.down_proj
+        if up.bias is not None:
+            up.bias[half:] /= s
+    elif name.endswith("o_proj"):  # attention is linear in V: V's rows carry it
+        q, kv = config.q_size, config.kv_size
+        before, consumer = attn.qkv_proj.weight[q + kv:], attn.o_proj
+        if attn.qkv_proj.bias is not None:
+            attn.qkv_proj.bias[q + kv:] /= s
+    else:
+        raise FormatError(f"{name}: no fold for this linear")
+    if s.shape != (consumer.in_features,):
+        raise FormatError(f"{name}: {tuple(s.shape)} scales for {consumer.in_features} inputs")
+    before.div_(s if before.dim() == 1 else s[:, None])
+    consumer.weight.mul_(s[None, :])
