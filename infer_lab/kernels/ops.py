@@ -1,7 +1,8 @@
 """The fused ops the model calls, each dispatched by device and setting.
 
-Each op takes tensors and returns tensors: Triton on CUDA, the torch reference
-(:mod:`infer_lab.kernels.reference`) elsewhere, unless a backend is forced
+Each op takes tensors and returns tensors: Triton on CUDA, plain torch elsewhere (the reference,
+:mod:`infer_lab.kernels.reference`, or where dispatch costs more than arithmetic, the same values
+in fewer ops, :mod:`infer_lab.kernels.torch_path`), unless a backend is forced
 (:mod:`infer_lab.kernels.dispatch`).
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from infer_lab.kernels.dispatch import resolve_backend, triton_module
-from infer_lab.kernels.reference import rms_norm_ref, rope_ref, silu_and_mul_ref, store_kv_ref
+from infer_lab.kernels.reference import rms_norm_ref, silu_and_mul_ref, store_kv_ref
+from infer_lab.kernels.torch_path import rope_torch
 
 
 def rms_norm(
@@ -39,7 +41,7 @@ def apply_rope(
     same tensors; the reference returns new ones. Use the returned pair either way."""
     if resolve_backend(backend, q) == "triton":
         return triton_module("triton_rope").rope_triton_(q, k, positions, inv_freq)
-    return rope_ref(q, k, positions, inv_freq)
+    return rope_torch(q, k, positions, inv_freq)  # rope_ref's values in fewer ops
 
 
 def silu_and_mul(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
