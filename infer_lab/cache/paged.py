@@ -224,9 +224,11 @@ class PagedAttentionContext:
         valid, rows, _, tables, _ = self._step_layout()
         keys = kc[tables].flatten(1, 2).to(q.dtype)  # [B, blocks * block_size, Hkv, D]
         values = vc[tables].flatten(1, 2).to(q.dtype)
-        qb = q[rows]  # [B, max_q, Hq, D]
+        # a decode-only step has one query per sequence, in order: the padding is a view
+        one_each = self.batch.max_query_len == 1
+        qb = q[:, None] if one_each else q[rows]  # [B, max_q, Hq, D]
         out = F.scaled_dot_product_attention(
             qb.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=self._mask(window), enable_gqa=qb.shape[2] != keys.shape[2],
         )
-        return out.transpose(1, 2)[valid]
+        return out.transpose(1, 2)[:, 0] if one_each else out.transpose(1, 2)[valid]
