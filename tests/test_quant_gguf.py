@@ -86,3 +86,48 @@ def test_kept_blocks_give_the_dequantized_logits(qtype, tie, tok_dir, tmp_path):
         assert torch.equal(direct(x), kept(x))
     with pytest.raises(QuantizationError, match="already quantized"):
         keep_gguf_blocks(kept, read_gguf(path).weights())
+
+
+@pytest.mark.parametrize("qtype,kept", [("Q4_1", "gguf"), ("Q8_0", "gguf"), ("F32", None)])
+def test_a_server_on_a_cpu_keeps_a_gguf_files_blocks_unless_told(qtype, kept, tok_dir, tmp_path):
+    """``infer-lab serve`` with no ``--quantization`` and no ``--dtype``: a GGUF file of blocks
+    the kept path holds is served as its blocks on a CPU, dense on a GPU or when a dtype or
+    ``--quantization none`` asks for the exact path."""
+    from infer_lab.cli import _serving_quantization, build_parser
+    from infer_lab.model.loader import cpu_serving_quantization
+
+    path = write_gguf(tmp_path / f"m-{qtype}.gguf", hf_model(vocab_size(tok_dir), tie=True),
+                      tok_dir, qtype)
+    assert cpu_serving_quantization(path, "cpu") == kept
+    assert cpu_serving_quantization(path, "meta") is None  # not a CPU: dense
+    assert cpu_serving_quantization(tok_dir, "cpu") is None  # no GGUF file there
+
+    def chosen(*flags: str) -> str | None:
+        return _serving_quantization(build_parser().parse_args(
+            ["serve", "--model", str(path), "--device", "cpu", *flags]))
+
+    assert chosen() == kept
+    assert chosen("--dtype", "float32") is None
+    assert chosen("--quantization", "none") is None
+    assert chosen("--quantization", "int8") == "int8"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 33])
+def test_q8_0_on_cpu_by_group_calls_or_a_dense_bf16_copy(rows):
+    """Both CPU paths of a Q8_0 layer compute the dequantized weight's product to bf16's
+    precision, whichever the row count picks."""
+    from infer_lab.kernels import quant as kq
+
+    rng = np.random.default_rng(rows)
+    w = rng.normal(size=(80, 96)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    fmt, tensors = gguf_block_tensors(blocks, "Q8_0", 80, 96)
+    layer = QuantizedLinear(fmt, tensors, 96, 80, None, 32)
+    x = torch.from_numpy(rng.normal(size=(rows, 96)).astype(np.float32))
+    ref = x @ layer.dequantize().T
+    picked = kq.quant_linear(x, layer)  # picks by rows: the dense copy is made only past the limit
+    assert (torch.bfloat16 in layer.__dict__.get("_cpu_dense", {})) == (
+        rows > kq.INT8G_GROUP_CALLS_MAX_ROWS)
+    for y in (picked, kq.int8g_linear_cpu(x, layer), kq.dense_linear_cpu(x, layer)):
+        rel = ((y - ref).norm() / ref.norm()).item()
+        assert y.shape == ref.shape and rel <= 1e-2, rel

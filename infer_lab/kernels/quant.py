@@ -16,8 +16,12 @@
   activations to bf16 keeps 8 significant bits (2-3 decimal digits), as running the model in
   bf16 does; ``CPU_ACTIVATION`` names the choice
   so a test or the chapter can change it (None: use ``x``'s own dtype).
-- GGUF's Q8_0 (``int8g``, int8 with a scale per group of 32) on CPU: the int8 kernel once per
-  group, partial sums added in fp32.
+- GGUF's Q8_0 (``int8g``, int8 with a scale per group of 32) on CPU: for a few rows, the int8
+  kernel once per group, partial sums added in fp32; for more rows (a batch of decodes, a
+  prefill), a bf16 copy of the weight dequantized once and a dense bf16 matmul, because the
+  per-group calls do the output's fp32 additions once per group (18 times for SmolLM2's head)
+  and lose to the dense matmul from a few rows on (``benchmarks/results/peers.json``). The copy
+  costs twice the codes' bytes; only the LM head of a GGUF file is stored this way.
 - anything else (int4 with an output size that is not a multiple of 16 or a group size other
   than 32-256, which the CPU kernel refuses): the reference.
 """
@@ -34,6 +38,7 @@ from infer_lab.kernels.dispatch import resolve_backend, triton_module
 IMPLS = (None, "reference", "fast")
 CPU_ACTIVATION: torch.dtype | None = torch.bfloat16  # None: feed x's own dtype
 TRITON_GEMV_MAX_ROWS = 16  # at most this many rows of x: the GEMV kernel (decode)
+INT8G_GROUP_CALLS_MAX_ROWS = 2  # CPU Q8_0: up to this many rows per-group int8 calls, then bf16
 
 
 def quant_linear(x: torch.Tensor, layer: Any, *, backend: str | None = None,
@@ -56,7 +61,8 @@ def quant_linear(x: torch.Tensor, layer: Any, *, backend: str | None = None,
     elif x.device.type == "cpu" and layer.fmt == "int8":
         y = int8_linear_cpu(x2, layer.qweight, layer.scale)
     elif x.device.type == "cpu" and layer.fmt == "int8g":
-        y = int8g_linear_cpu(x2, layer)
+        few = x2.shape[0] <= INT8G_GROUP_CALLS_MAX_ROWS
+        y = int8g_linear_cpu(x2, layer) if few else dense_linear_cpu(x2, layer)
     elif x.device.type == "cpu" and layer.fmt == "int4" and layer.out_features % 16 == 0 \
             and layer.group_size in (32, 64, 128, 256):
         y = int4_linear_cpu(x2, layer)
@@ -109,6 +115,17 @@ def int8g_linear_cpu(x: torch.Tensor, layer: Any) -> torch.Tensor:
         part = xa[:, g * group : (g + 1) * group].contiguous()
         y += torch.ops.aten._weight_int8pack_mm(part, layer.qweight[g], scales[g]).float()
     return y.to(x.dtype)
+
+
+def dense_linear_cpu(x: torch.Tensor, layer: Any, act_dtype: torch.dtype | None = None
+                     ) -> torch.Tensor:
+    """``x @ W.T`` with ``W`` dequantized once into ``act_dtype`` and kept on the layer."""
+    act = act_dtype or CPU_ACTIVATION or x.dtype
+    dense = layer.__dict__.setdefault("_cpu_dense", {})
+    w = dense.get(act)
+    if w is None:
+        w = dense[act] = layer.dequantize(act)
+    return F.linear(x.to(act), w).to(x.dtype)
 
 
 def int4_cpu_pack(layer: Any, act: torch.dtype = torch.float32
