@@ -7,10 +7,19 @@ import sys
 from collections.abc import Sequence
 
 
+def _threads(args: argparse.Namespace) -> None:
+    """``--threads``: torch's intra-op threads (the matmuls' OpenMP team), set before loading."""
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from infer_lab.engine import EngineConfig, LLMEngine, SamplingParams
     from infer_lab.model.loader import load
 
+    _threads(args)
     model, tok = load(args.model, device=args.device, dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=args.seed)
@@ -47,6 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
     from infer_lab.serve.limits import ServerLimits
     from infer_lab.serve.server import make_app, serve
 
+    _threads(args)
+    quantization = _serving_quantization(args)
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -54,7 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
     )
     app = make_app(
@@ -73,6 +84,22 @@ def _serve(args: argparse.Namespace) -> int:
           limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive)
     print("infer-lab: stopped", file=sys.stderr)
     return 0
+
+
+def _serving_quantization(args: argparse.Namespace) -> str | None:
+    """``--quantization``; unset (and no ``--dtype``), a GGUF file served on a CPU keeps its own
+    blocks, the fastest path on a CPU (``loader.cpu_serving_quantization``); ``none``: dense."""
+    if args.quantization == "none":
+        return None
+    if args.quantization is not None or args.dtype is not None or args.tensor_parallel_size > 1:
+        return args.quantization
+    from infer_lab.model.loader import cpu_serving_quantization
+
+    chosen = cpu_serving_quantization(args.model, args.device)
+    if chosen is not None:
+        print("infer-lab: a GGUF file on a CPU: serving its own blocks (--quantization gguf); "
+              "--dtype float32 serves the exact dense model", file=sys.stderr, flush=True)
+    return chosen
 
 
 def _add_request_limits(group: argparse._ArgumentGroup) -> None:
@@ -116,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
     gen.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: by device)")
+    gen.add_argument("--threads", type=int, default=None,
+                     help="CPU threads for the matmuls (torch.set_num_threads; default: torch's)")
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -136,8 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     # spelled out so that -h imports no torch; tests/test_cli.py checks them against the package
     srv.add_argument("--policy", choices=["continuous", "static"], default="continuous")
-    srv.add_argument("--quantization", choices=["int8", "int4", "gguf"], default=None,
-                     help="weights in int8, int4 (groups of 32) or a GGUF file's own blocks")
+    srv.add_argument("--quantization", choices=["int8", "int4", "gguf", "none"], default=None,
+                     help="weights in int8, int4 (groups of 32), a GGUF file's own blocks, or "
+                     "none (dense); default: a GGUF file on a CPU keeps its blocks unless "
+                     "--dtype is given, anything else is dense")
+    srv.add_argument("--threads", type=int, default=None,
+                     help="CPU threads for the matmuls (torch.set_num_threads; default: torch's)")
     srv.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3", "fp8_e4m3_scaled"],
                      default="auto",
                      help="KV cache storage: the model's dtype, or 8 bits (about 2x the tokens)")

@@ -75,5 +75,5 @@ def test_the_serve_choices_are_the_package_lists():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     choices = {a.dest: tuple(a.choices) for a in serve._actions if a.choices}
     assert choices["policy"] == POLICIES
-    assert choices["quantization"] == QUANTIZATIONS
+    assert choices["quantization"] == (*QUANTIZATIONS, "none")
     assert choices["kv_cache_dtype"] == KV_CACHE_DTYPES

@@ -38,6 +38,7 @@ from infer_lab.model.config import ModelConfig
 from infer_lab.model.gguf import GGUFFile, find_gguf, read_gguf
 from infer_lab.model.hf_checkpoint import HFCheckpoint
 from infer_lab.model.quantize import (
+    GGUF_BLOCK_TYPES,
     INT4_DEFAULT_GROUP,
     QuantizationError,
     check_quantization_name,
@@ -91,6 +92,28 @@ def load(
     if quantization is not None:
         built = quantize_model(built, quantization, group_size)
     return built, tokenizer
+
+
+def cpu_serving_quantization(model: str | os.PathLike | None,
+                             device: torch.device | str | None = None) -> str | None:
+    """What a server on a CPU runs a checkpoint in when nobody asked: ``"gguf"`` (the file's own
+    blocks, kept) for a GGUF file whose every matrix is Q4_0, Q4_1 or Q8_0, else None (dense).
+
+    The dense model of such a file *is* its blocks dequantized, so keeping them changes no
+    weight: what changes is that the matmuls read 4-8 bits a weight instead of 32 and feed bf16
+    activations (:mod:`infer_lab.kernels.quant`); the KL divergence this costs against the fp32
+    model is measured in ``benchmarks/results/peers.json``. On a GPU the default stays dense.
+    """
+    if (torch.device(device) if device is not None else default_device()).type != "cpu":
+        return None
+    path = resolve_model_path(model)
+    if is_random_stand_in(path) or (path / "config.json").is_file():
+        return None
+    gguf_file = find_gguf(path)
+    if gguf_file is None:
+        return None
+    types = {t.type_name for t in read_gguf(gguf_file).tensors.values() if len(t.shape) == 2}
+    return "gguf" if types and types <= set(GGUF_BLOCK_TYPES) else None
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
