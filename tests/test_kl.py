@@ -62,6 +62,24 @@ def test_mean_p99_agreement_and_perplexity_match_closed_form(window, stride):
     assert res.top1_agreement == pytest.approx(float((ref_top == cand_top).float().mean()))
     nll = -torch.log_softmax(cand_table[ids[:-1]].double(), -1)[torch.arange(119), ids[1:]]
     assert res.ppl == pytest.approx(math.exp(float(nll.mean())), rel=1e-9)
+    # the windows' sums are the per-position divergences cut where the windows score
+    assert sum(n for _, n in res.window_sums) == 119
+    assert sum(s for s, _ in res.window_sums) == pytest.approx(float(per_pos.sum()), rel=1e-9)
+
+
+def test_kl_mean_interval_resamples_windows():
+    gen = torch.Generator().manual_seed(2)
+    vocab = 11
+    ref_table = torch.randn(vocab, vocab, generator=gen) * 2
+    cand_table = ref_table.clone()
+    cand_table[3] = torch.randn(vocab, generator=gen) * 2
+    ids = torch.randint(0, vocab, (400,), generator=gen)
+    res = kl_divergence(TableModel(ref_table), TableModel(cand_table), ids, 32, 16)
+    lo, hi = res.kl_mean_ci()
+    assert lo < res.kl_mean < hi
+    assert res.kl_mean_ci(seed=1) != (lo, hi) and res.kl_mean_ci() == (lo, hi)  # seeded
+    one = kl_divergence(TableModel(ref_table), TableModel(cand_table), ids[:40], 64, 32)
+    assert len(one.window_sums) == 1 and math.isnan(one.kl_mean_ci()[0])  # one window: none
 
 
 def test_identical_models_and_many_candidates():

@@ -38,9 +38,30 @@ class KLResult:
     tokens: int
     window: int
     stride: int
+    # (sum of KL, scored tokens) per window, in text order: what an interval resamples
+    window_sums: tuple[tuple[float, int], ...] = ()
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+    def kl_mean_ci(self, level: float = 0.95, n_boot: int = 2000, seed: int = 0
+                   ) -> tuple[float, float]:
+        """A bootstrap interval of ``kl_mean`` that resamples whole windows, not tokens.
+
+        Neighbouring tokens' divergences are not independent (one hard passage moves a run of
+        them), and a window is a stretch of text whose scored tokens no other window scores,
+        so windows are the units resampled (a block bootstrap with the window as the block).
+        """
+        if len(self.window_sums) < 2:
+            return (math.nan, math.nan)
+        sums = torch.tensor([w[0] for w in self.window_sums], dtype=torch.float64)
+        counts = torch.tensor([w[1] for w in self.window_sums], dtype=torch.float64)
+        g = torch.Generator().manual_seed(seed)
+        picks = torch.randint(0, len(sums), (n_boot, len(sums)), generator=g)
+        means = sums[picks].sum(1) / counts[picks].sum(1)
+        lo, hi = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2],
+                                                    dtype=torch.float64)).tolist()
+        return (lo, hi)
 
 
 class CachedReference:
@@ -109,6 +130,7 @@ def kl_divergence_many(reference: LogitsFn, candidates: Mapping[str, LogitsFn],
         raise ValueError("kl_divergence_many needs at least one candidate")
     device = getattr(reference, "device", ids.device)
     kls: dict[str, list[torch.Tensor]] = {name: [] for name in candidates}
+    sums: dict[str, list[tuple[float, int]]] = {name: [] for name in candidates}
     nll: dict[str, float] = dict.fromkeys(candidates, 0.0)
     same: dict[str, int] = dict.fromkeys(candidates, 0)
     ref_nll, count = 0.0, 0
@@ -122,6 +144,7 @@ def kl_divergence_many(reference: LogitsFn, candidates: Mapping[str, LogitsFn],
         for name, cand in candidates.items():
             logits = cand(chunk[None])[0, keep].float()
             kls[name].append(kl_per_token(ref, logits).cpu())
+            sums[name].append((float(kls[name][-1].double().sum()), kls[name][-1].numel()))
             nll[name] += float(F.cross_entropy(logits.double(), targets, reduction="sum"))
             same[name] += int((logits.argmax(-1) == ref_top).sum())
         count += targets.numel()
@@ -132,7 +155,7 @@ def kl_divergence_many(reference: LogitsFn, candidates: Mapping[str, LogitsFn],
             kl_mean=float(k.mean()), kl_p99=float(torch.quantile(k, 0.99)),
             kl_max=float(k.max()), top1_agreement=same[name] / count,
             ppl=math.exp(nll[name] / count), ppl_ref=math.exp(ref_nll / count),
-            tokens=count, window=window, stride=stride)
+            tokens=count, window=window, stride=stride, window_sums=tuple(sums[name]))
     return out
 
 
