@@ -192,10 +192,13 @@ async def send_request(client: Any, endpoint: Endpoint, spec: RequestSpec, t0: f
     without any token, a connection error, or when it takes longer than ``endpoint.timeout``.
     """
     res = RequestResult(spec.prompt_len, spec.output_len, scheduled=scheduled)
+    answered = False  # did the server send a status line?
 
     async def stream() -> None:
+        nonlocal answered
         async with client.stream("POST", endpoint.url, json=endpoint.body(spec),
                                  headers=endpoint.headers()) as resp:
+            answered = True
             if resp.status_code != 200:
                 text = (await resp.aread()).decode("utf-8", "replace").strip()
                 res.error = f"HTTP {resp.status_code}: {text[:300]}"
@@ -262,9 +265,20 @@ async def send_request(client: Any, endpoint: Endpoint, spec: RequestSpec, t0: f
 
     import httpx
 
+    async def stream_once_more_if_stale() -> None:
+        """A kept-alive connection the server closed as this request went out (llama.cpp's
+        server drops idle ones after 5 s) fails with no answer at all; the request is sent
+        once more on a new connection, as HTTP clients do for a stale connection."""
+        try:
+            await stream()
+        except httpx.RemoteProtocolError:
+            if answered:
+                raise
+            await stream()
+
     res.sent = time.perf_counter() - t0
     try:
-        await asyncio.wait_for(stream(), endpoint.timeout)
+        await asyncio.wait_for(stream_once_more_if_stale(), endpoint.timeout)
     except asyncio.TimeoutError:
         res.error = f"timeout: no complete response within {endpoint.timeout:g} s"
     except httpx.TimeoutException as e:
