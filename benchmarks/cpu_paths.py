@@ -83,6 +83,26 @@ def ops_per_decode_step(llm: il.LLM) -> int:
     return count.n
 
 
+def head_paths(model: torch.nn.Module, rounds: int) -> dict[str, dict[str, float]]:
+    """ms of the kept-GGUF LM head (Q8_0) by per-group int8 calls and by its dense bf16 copy,
+    per row count: where ``kernels.quant.INT8G_GROUP_CALLS_MAX_ROWS`` comes from."""
+    from infer_lab.kernels import quant as kq
+
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens.table
+    out: dict[str, dict[str, float]] = {}
+    for rows in (1, 2, 4, 16):
+        x = torch.randn(rows, head.in_features)
+        times: dict[str, list[float]] = {"group_calls": [], "dense_bf16": []}
+        for _ in range(rounds + 1):
+            for name, fn in (("group_calls", kq.int8g_linear_cpu),
+                             ("dense_bf16", kq.dense_linear_cpu)):
+                start = time.perf_counter()
+                fn(x, head)
+                times[name].append(1e3 * (time.perf_counter() - start))
+        out[str(rows)] = {k: statistics.median(v[1:]) for k, v in times.items()}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -99,6 +119,7 @@ def main() -> None:
     tok = models["fp32"][1]
     llms = {p: il.LLM(m, tokenizer=tok, max_num_seqs=16) for p, (m, _) in models.items()}
     ops = {p: ops_per_decode_step(llm) for p, llm in llms.items()}
+    head = head_paths(models["gguf"][0], max(args.rounds, 5))
     runs: dict[str, dict[str, list[float]]] = {p: {"b1": [], "b16": []} for p in PATHS}
     for llm in llms.values():
         speed(llm, 1)  # warm every path once
@@ -139,8 +160,10 @@ def main() -> None:
                    prompt_tokens=len(PROMPT), text=str(HELDOUT.relative_to(
                        Path(il.__file__).parent.parent)) + " (KJV, public domain)",
                    window=args.window, stride=args.stride, load_before=load_before,
-                   load_after=os.getloadavg(), paths=table, runs=runs,
+                   load_after=os.getloadavg(), paths=table, runs=runs, head_q8_0_ms=head,
                    kl_rule="the default is the fastest path with mean KL from fp32 <= 0.02 nats")
+    print("Q8_0 head, ms by rows:", {r: {k: round(v, 2) for k, v in d.items()}
+                                     for r, d in head.items()})
     print(f"wrote {update_peers(payload, args.out, 'cpu_paths')}")
 
 
