@@ -23,14 +23,16 @@ after, the best kept.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import infer_lab as il
-from benchmarks._common import print_table, provenance, write_results
+from benchmarks._common import RESULTS, print_table, provenance, write_results
 from infer_lab.model import registry
 
 NAME = "smollm2-135m-instruct"
@@ -189,7 +191,12 @@ def main() -> None:
         batch1_fraction_of_bound=dict(ours=best["ours_b1"] / bound, hf=best["hf_b1"] / bound),
         targets=dict(vs_generate_batch=2.0, vs_padded_generate=1.5, batch1_fraction_of_bound=0.6),
     )
-    print(f"wrote {write_results('peers', payload, args.out)}")
+    keep = {}  # the sections other scripts write (peers_server: server; cpu_paths: cpu_paths)
+    old = (Path(args.out) if args.out else RESULTS) / "peers.json"
+    if old.is_file():
+        keep = {k: v for k, v in json.loads(old.read_text()).items()
+                if k in ("server", "cpu_paths")}
+    print(f"wrote {write_results('peers', payload | keep, args.out)}")
 
 
 if __name__ == "__main__":

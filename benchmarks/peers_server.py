@@ -43,8 +43,8 @@ NAME = "smollm2-135m-instruct"
 PARALLEL = 16
 WORKLOADS: dict[str, dict[str, int]] = {
     "decode_c1": dict(concurrency=1, requests=4, warmups=1, input_len=64, output_len=96),
-    "decode_c16": dict(concurrency=16, requests=32, warmups=4, input_len=64, output_len=96),
-    "long_prompt": dict(concurrency=1, requests=3, warmups=1, input_len=1000, output_len=8),
+    "decode_c16": dict(concurrency=16, requests=16, warmups=4, input_len=64, output_len=96),
+    "long_prompt": dict(concurrency=1, requests=2, warmups=1, input_len=1000, output_len=8),
 }
 METRICS = ("output_throughput", "ttft.p50", "itl.p50", "tpot.p50")
 
