@@ -155,7 +155,9 @@ def main() -> None:
                                   f"{1e3 * m['ttft.p50']:7.1f} ms  ITL p50 "
                                   f"{1e3 * m['itl.p50']:6.1f} ms  load "
                                   f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
-                results[str(threads)] = summarise(runs)
+                results[str(threads)] = summarise(runs) | {"measured": dict(
+                    date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    load_after=os.getloadavg(), rounds=args.rounds)}
             finally:
                 for proc, _ in servers.values():
                     proc.kill()
@@ -202,6 +204,8 @@ def print_summary(results: dict[str, Any]) -> None:
           "[95% CI over rounds]")
     for threads, by in results.items():
         for w, row in by.items():
+            if w == "measured":
+                continue
             for m in METRICS:
                 r = row[m]
                 print(f"{threads:>7}  {w:11s}  {m:17s} {r['ours']:9.4g} {r['llama_cpp']:11.4g}"
@@ -222,6 +226,8 @@ def update_peers(section: dict[str, Any], out_dir: str | None, key: str = "serve
     """Write one section (``server``, ``cpu_paths``) of ``peers.json``, keeping the others."""
     path = Path(out_dir or RESULTS) / "peers.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
+    if key == "server" and isinstance(data.get("server"), dict):  # another thread count's
+        section["threads"] = data["server"].get("threads", {}) | section["threads"]
     data[key] = section
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
