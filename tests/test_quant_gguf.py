@@ -3,6 +3,9 @@ same logits as the dequantized load (the bits are re-laid, never rounded again).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -131,3 +134,29 @@ def test_q8_0_on_cpu_by_group_calls_or_a_dense_bf16_copy(rows):
     for y in (picked, kq.int8g_linear_cpu(x, layer), kq.dense_linear_cpu(x, layer)):
         rel = ((y - ref).norm() / ref.norm()).item()
         assert y.shape == ref.shape and rel <= 1e-2, rel
+
+
+_FALLBACK = r"""
+import sys, torch, infer_lab as il
+path = sys.argv[1]
+ref, _ = il.load(path, device="cpu", dtype=torch.float32)
+kept, _ = il.load(path, device="cpu", dtype=torch.float32, quantization="gguf")
+x = torch.tensor([[1, 5, 77, 200, 13, 9, 300, 41]])
+a, b = ref(x), kept(x)
+rel = ((a - b).pow(2).mean().sqrt() / a.std()).item()
+print(torch.backends.cpu.get_cpu_capability(), rel)
+"""
+
+
+def test_kept_blocks_on_a_cpu_without_avx512(tok_dir, tmp_path):
+    """The kept-GGUF path (the CPU server's default) on plain AVX2: torch's kernels dispatched
+    as on a CPU without AVX-512 (``ATEN_CPU_CAPABILITY``, and oneDNN capped the same way)
+    give the dequantized model's logits to the same bf16-activation precision."""
+    path = write_gguf(tmp_path / "m.gguf", hf_model(vocab_size(tok_dir), tie=True, seed=3),
+                      tok_dir, "Q4_1")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2",
+           "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", _FALLBACK, str(path)], env=env, text=True,
+                         capture_output=True, check=True).stdout.split()
+    assert out[0] == "AVX2", out
+    assert float(out[1]) <= 0.03, out

@@ -20,8 +20,9 @@
   kernel once per group, partial sums added in fp32; for more rows (a batch of decodes, a
   prefill), a bf16 copy of the weight dequantized once and a dense bf16 matmul, because the
   per-group calls do the output's fp32 additions once per group (18 times for SmolLM2's head)
-  and lose to the dense matmul from a few rows on (``benchmarks/results/peers.json``). The copy
-  costs twice the codes' bytes; only the LM head of a GGUF file is stored this way.
+  and lose to the dense matmul from a few rows on (``head_q8_0_ms`` in
+  ``benchmarks/results/peers.json``). The copy costs twice the codes' bytes, made the first time
+  a Q8_0 layer sees more rows (in SmolLM2's file only the embedding, which is also the LM head).
 - anything else (int4 with an output size that is not a multiple of 16 or a group size other
   than 32-256, which the CPU kernel refuses): the reference.
 """
