@@ -40,7 +40,9 @@ class Stub:
 
     ``mode``: ok, http500, error_event (3 tokens, then an error event), drop (3 tokens, then the
     connection closes mid-body), no_done (all tokens, no ``[DONE]``), hang (never answers),
-    flaky (every other request answers 500). It records every request body and the most
+    flaky (every other request answers 500), stale (a kept-alive connection is closed, unanswered,
+    when its second request arrives, as a server does that drops idle connections), mute (every
+    request closed unanswered). It records every request body and the most
     requests it ever had in flight.
     """
 
@@ -76,6 +78,7 @@ class Stub:
         task = asyncio.current_task()
         self._tasks.add(task)
         self.connections += 1
+        served = 0
         try:
             while True:  # keep-alive: one connection may carry many requests
                 try:
@@ -88,9 +91,14 @@ class Stub:
                 body = json.loads(await reader.readexactly(length)) if length else {}
                 if method == "GET" and path == "/v1/models":
                     await self._reply(writer, 200, {"object": "list", "data": [{"id": "stub"}]})
+                elif self.mode == "mute" or (self.mode == "stale" and served):
+                    self.bodies.append(body)  # read, then closed without a status line
+                    writer.close()
+                    return
                 elif not await self._complete(writer, path, body):
                     writer.close()
                     return
+                served += 1
         except asyncio.CancelledError:
             writer.close()
         finally:
@@ -368,6 +376,22 @@ def test_failing_server_requests_are_counted_failed(mode, message):
     assert (s.num_requests, s.completed, s.failed) == (4, 0, 4)
     assert s.ttft.n == 0 and s.itl.n == 0  # partial streams never leak into latencies
     assert sum(s.errors.values()) == 4
+
+
+def test_a_stale_kept_alive_connection_costs_a_resend_not_the_request():
+    """A request the server closes without any answer is sent once more on a new connection;
+    a server that never answers still fails every request, each sent exactly twice."""
+    with Stub(ttft=0.01, gap=0.002, mode="stale") as stub:
+        run = run_sync(run_closed_loop(Endpoint(stub.url, "m", timeout=5), specs(4, 3),
+                                       concurrency=1))
+        assert all(r.success for r in run.results), run.results[0].error
+        assert stub.connections == 4 and len(stub.bodies) == 7  # 3 requests sent twice
+    with Stub(ttft=0.01, gap=0.002, mode="mute") as stub:
+        run = run_sync(run_closed_loop(Endpoint(stub.url, "m", timeout=5), specs(3, 3),
+                                       concurrency=1))
+        assert not any(r.success for r in run.results)
+        assert all("RemoteProtocolError" in r.error for r in run.results)
+        assert len(stub.bodies) == 6
 
 
 def test_unreachable_endpoint_is_reported_not_raised(capsys):
