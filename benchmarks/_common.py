@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -27,10 +28,11 @@ def provenance(device: str) -> dict[str, Any]:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor()
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else cpu_model()
     return {
         "device": device,
-        "device_name": name or platform.machine(),
+        "device_name": name or platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
         "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
         "commit": commit,
@@ -39,6 +41,17 @@ def provenance(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), '' where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def write_results(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import infer_lab as il
-from benchmarks._common import provenance
-from benchmarks.peers_server import NAME, cpu_model, update_peers
+from benchmarks._common import cpu_model, provenance
+from benchmarks.peers_server import NAME, update_peers
 from infer_lab.measure.kl import kl_divergence_many
+from infer_lab.measure.ops import CountOps
 
 PATHS: dict[str, dict[str, Any]] = {
     "fp32": dict(dtype=torch.float32),
@@ -47,16 +47,6 @@ PATHS: dict[str, dict[str, Any]] = {
 HELDOUT = Path(il.__file__).parent / "assets" / "tiny-moe" / "heldout.txt"
 PROMPT = [1, *range(100, 140)]
 OUTPUT = 96
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def speed(llm: il.LLM, batch: int) -> float:

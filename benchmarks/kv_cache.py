@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import infer_lab as il
-from benchmarks._common import print_table, provenance, write_results
+from benchmarks._common import cpu_model, print_table, provenance, write_results
 from infer_lab.cache import (
     BlockManager,
     ContiguousAttentionContext,
@@ -85,17 +85,6 @@ def quartiles(xs: list[float]) -> list[float]:
 
 def spread(pair: list[float]) -> str:
     return f"{pair[0]:.2f}-{pair[1]:.2f}"
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), '' where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 @torch.inference_mode()

@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import RESULTS, provenance
+from benchmarks._common import RESULTS, cpu_model, provenance
 from infer_lab.measure import stats
 from infer_lab.model import registry
 
@@ -210,16 +210,6 @@ def print_summary(results: dict[str, Any]) -> None:
                 r = row[m]
                 print(f"{threads:>7}  {w:11s}  {m:17s} {r['ours']:9.4g} {r['llama_cpp']:11.4g}"
                       f"   {r['ratio']:.3f} [{r['ratio_ci95'][0]:.3f}, {r['ratio_ci95'][1]:.3f}]")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def update_peers(section: dict[str, Any], out_dir: str | None, key: str = "server") -> Path:

@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from infer_lab.kernels import torch_path
 from infer_lab.kernels.reference import rope_ref
+from infer_lab.measure.ops import CountOps
 from infer_lab.model.config import RopeConfig
 from infer_lab.model.rope import rope_inv_freq
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -40,11 +30,11 @@ def test_rope_tables_are_reused_within_a_step_and_never_stale():
     q, k = torch.randn(4, 9, 64), torch.randn(4, 3, 64)
     pos = torch.tensor([3, 4, 5, 6])
     torch_path.rope_torch(q, k, pos, inv)  # the first layer builds the tables
-    with _CountOps() as later:
+    with CountOps() as later:
         torch_path.rope_torch(q, k, pos, inv)
-    with _CountOps() as first:
+    with CountOps() as first:
         torch_path.rope_torch(q, k, pos.clone(), inv)
-    assert later.ops < first.ops  # a later layer of the same step skips the tables
+    assert later.n < first.n  # a later layer of the same step skips the tables
     pos.add_(100)  # a positions buffer reused in place: the next step must see new angles
     got = torch_path.rope_torch(q, k, pos, inv)
     for a, b in zip(got, rope_ref(q, k, pos, inv), strict=True):
