@@ -103,6 +103,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         r = kl_divergence(ref, cand, held, args.window, args.stride)
         rows.append({"format": label, "family": family, "bits": round(bits, 4),
                      **{k: v for k, v in r.as_dict().items() if k not in ("window", "stride")},
+                     "kl_mean_ci95": list(r.kl_mean_ci()),  # windows resampled, not tokens
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"  {label:>24} {bits:6.3f} b  KL {r.kl_mean:.5f} (p99 {r.kl_p99:.4f})  "
               f"top1 {r.top1_agreement:.3f}  ppl {r.ppl:.3f}/{r.ppl_ref:.3f}", flush=True)
