@@ -16,11 +16,11 @@
   activations to bf16 keeps 8 significant bits (2-3 decimal digits), as running the model in
   bf16 does; ``CPU_ACTIVATION`` names the choice
   so a test or the chapter can change it (None: use ``x``'s own dtype).
-- GGUF's Q8_0 (``int8g``, int8 with a scale per group of 32) on CPU: for a few rows, the int8
+- GGUF's Q8_0 (``int8g``, int8 with a scale per group of 32) on CPU: for one row, the int8
   kernel once per group, partial sums added in fp32; for more rows (a batch of decodes, a
   prefill), a bf16 copy of the weight dequantized once and a dense bf16 matmul, because the
   per-group calls do the output's fp32 additions once per group (18 times for SmolLM2's head)
-  and lose to the dense matmul from a few rows on (``head_q8_0_ms`` in
+  and lost to the dense matmul from two rows on (``head_q8_0_ms`` in
   ``benchmarks/results/peers.json``). The copy costs twice the codes' bytes, made the first time
   a Q8_0 layer sees more rows (in SmolLM2's file only the embedding, which is also the LM head).
 - anything else (int4 with an output size that is not a multiple of 16 or a group size other
@@ -39,7 +39,7 @@ from infer_lab.kernels.dispatch import resolve_backend, triton_module
 IMPLS = (None, "reference", "fast")
 CPU_ACTIVATION: torch.dtype | None = torch.bfloat16  # None: feed x's own dtype
 TRITON_GEMV_MAX_ROWS = 16  # at most this many rows of x: the GEMV kernel (decode)
-INT8G_GROUP_CALLS_MAX_ROWS = 2  # CPU Q8_0: up to this many rows per-group int8 calls, then bf16
+INT8G_GROUP_CALLS_MAX_ROWS = 1  # CPU Q8_0: up to this many rows per-group int8 calls, then bf16
 
 
 def quant_linear(x: torch.Tensor, layer: Any, *, backend: str | None = None,
