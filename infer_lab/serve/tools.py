@@ -20,6 +20,16 @@
   call, so the markup never reaches the client (:class:`ToolStream`). A call cut off by
   ``max_tokens`` is dropped, with ``finish_reason: "length"``.
 - ``tool_choice`` "none": the tools are not offered; the model answers in text.
+
+How the model is told about the tools (:func:`tool_prompt`): when the chat template has a tools
+section (it reads the variable ``tools``; the model's template, or ``--chat-template``'s), the
+request's ``tools`` are passed to it, as ``transformers`` does, and the model sees them in the
+format it was trained on. Otherwise the server's default tool prompt
+(:meth:`ToolPlan.with_system`, this module) lists them in the system message and, for "auto",
+spells out the call format above. Either way the calls are parsed in that one format (Hermes /
+Qwen style): a template that teaches another format (Llama 3's bare JSON, Mistral's
+``[TOOL_CALLS]``) still gets its "auto" calls only through the ``<tool_call>`` trigger, since the
+server has no per-family parser (vLLM's ``--tool-call-parser``).
 """
 
 from __future__ import annotations
@@ -159,6 +169,19 @@ class ToolStream:
         self.sent_calls = len(calls)
         self.calls = calls
         return out_text, deltas
+
+
+def tool_prompt(plan: ToolPlan | None, messages: list[dict[str, str]],
+                tools: list[dict[str, Any]] | None, template_reads_tools: bool,
+                ) -> tuple[list[dict[str, str]], list[dict[str, Any]] | None]:
+    """The conversation and the ``tools`` variable the chat template gets: with a plan, the
+    request's ``tools`` when the template has a tools section, else none and the server's
+    default tool prompt in the system message; without one, the conversation alone."""
+    if plan is None:
+        return messages, None
+    if template_reads_tools:
+        return messages, tools
+    return plan.with_system(messages), None
 
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
