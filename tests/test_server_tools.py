@@ -42,7 +42,10 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 TOOLS_TEMPLATE = (
     "{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}"
     "{{ t.function.parameters | tojson }}{% endfor %}<|end|>\n{% endif %}"
-    "{% for m in messages %}<|{{ m.role }}|>\n### {{ m.content }}<|end|>\n{% endfor %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n### {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}: {{ c.function.arguments.city }}"
+    "</call>{% endfor %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}<|end|>\n"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
     "{% if messages[0].content == 'spin' %}{% for i in range(100000) %}"
     "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}")
@@ -212,6 +215,11 @@ def rendered(tok, messages, template=None, tools=None) -> int:
                                        tools=tools))
 
 
+PAST_CALL = {"role": "assistant", "content": None, "tool_calls": [{
+    "id": "call_1", "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+
+
 def test_without_a_tools_section_the_default_tool_prompt_describes_them(app, client):
     server = app.state.server
     assert not server.renderer.reads_tools  # the bundled model's template
@@ -221,6 +229,26 @@ def test_without_a_tools_section_the_default_tool_prompt_describes_them(app, cli
     assert "get_weather" in prompted[0]["content"] and "<tool_call>" in prompted[0]["content"]
     assert prompt_tokens(client, tools=[WEATHER]) == rendered(tok, prompted)
     assert prompt_tokens(client, tools=[WEATHER], tool_choice="none") == rendered(tok, ASK)
+    # an earlier call is written into the assistant's text in the format the prompt teaches
+    thanks = {"role": "user", "content": "Thanks."}
+    seen = [*ASK, {"role": "assistant", "content": CALL}, thanks]
+    assert prompt_tokens(client, [*ASK, PAST_CALL, thanks], tools=[WEATHER]) == rendered(
+        tok, plan.with_system(seen))
+
+
+@pytest.mark.parametrize(("call", "field"), [
+    ({"type": "function", "function": {"name": "get_weather", "arguments": "{nope"}},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"type": "function", "function": {"arguments": "{}"}}, "messages[1].tool_calls[0]"),
+    ({"type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}},
+     "messages[1].tool_calls[0]"),
+])
+def test_bad_earlier_tool_calls_are_400(server, call, field):
+    messages = [*ASK, {"role": "assistant", "tool_calls": [call]}]
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                   json={"messages": messages, "tools": [WEATHER], "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +290,15 @@ def test_a_template_with_a_tools_section_gets_the_tools(tools_model, where):
         assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template_limit"
         assert prompt_tokens(client, tools=[WEATHER]) == rendered(  # and the next is served
             tok, ASK, TOOLS_TEMPLATE, [WEATHER])
+        # an earlier call reaches the template as a field, its arguments parsed
+        sent = [*ASK, PAST_CALL, {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+        seen = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": "Paris"}}}]}, sent[-1]]
+        want = rendered(tok, seen, TOOLS_TEMPLATE, [WEATHER])
+        assert want > rendered(tok, [*ASK, {"role": "assistant", "content": ""}, sent[-1]],
+                               TOOLS_TEMPLATE, [WEATHER]) + 3  # the call and its city
+        assert prompt_tokens(client, sent, tools=[WEATHER]) == want
         assert no_blocks_held(base)
 
 
