@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.meta
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -210,10 +209,15 @@ def check_chat_template(source: str) -> None:
 @lru_cache(maxsize=16)
 def template_reads(source: str, name: str) -> bool:
     """Whether the chat template ``source`` reads the variable ``name`` (``tools``: whether it
-    has a tools section). Found in the parsed template, not by searching its text, so a comment
-    or a string that says "tools" does not count. False for a template that does not parse."""
+    has a tools section). Found in the parsed template, not by searching its text, so a comment,
+    a string or a key that says "tools" does not count. False for a template that does not parse.
+
+    Only parsed, never compiled: jinja's compiler folds constants, so compiling ``{{ 'a' *
+    2000000000 }}`` builds that string, and a model's template is untrusted (it renders in a
+    child process, :mod:`infer_lab.serve.template`)."""
     try:
-        return name in jinja2.meta.find_undeclared_variables(_environment().parse(source))
+        tree = _environment().parse(source)
+        return any(n.name == name and n.ctx == "load" for n in tree.find_all(nodes.Name))
     except (jinja2.TemplateSyntaxError, RecursionError):
         return False
 
