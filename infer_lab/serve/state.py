@@ -10,6 +10,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -107,7 +108,7 @@ class ServerState:
         ids = await loop.run_in_executor(self.pool, self.tokenizer.encode_batch, [text])
         return ids[0]
 
-    async def encode_chat(self, messages: list[dict[str, str]],
+    async def encode_chat(self, messages: list[dict[str, Any]],
                           tools: list[dict] | None = None) -> list[int]:
         """Render the chat template (in a child process, with a deadline, its output within
         the prompt's byte limit; ``tools`` as its variable ``tools``) and tokenize it, both

@@ -65,7 +65,7 @@ class ToolPlan:
     functions: dict[str, dict[str, Any]]
     auto: bool = False  # the model chooses between text and calls (tool_choice "auto")
 
-    def with_system(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    def with_system(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation with the functions described in its system message (the server's
         default tool prompt)."""
         offered = json.dumps([{"name": n, "parameters": p} for n, p in self.functions.items()])
@@ -232,9 +232,9 @@ def _plain(value: Any, where: str) -> Any:
     return value
 
 
-def tool_prompt(plan: ToolPlan | None, messages: list[dict[str, str]],
+def tool_prompt(plan: ToolPlan | None, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None, template_reads_tools: bool,
-                ) -> tuple[list[dict[str, str]], list[dict[str, Any]] | None]:
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The conversation and the ``tools`` variable the chat template gets: with a plan, the
     request's ``tools`` when the template has a tools section, else none and the server's
     default tool prompt in the system message; without one, the conversation alone."""
