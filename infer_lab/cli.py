@@ -55,7 +55,10 @@ def _serve(args: argparse.Namespace) -> int:
     from infer_lab.serve.disagg import install_kv
     from infer_lab.serve.limits import ServerLimits
     from infer_lab.serve.server import make_app, serve
+    from infer_lab.serve.template import load_chat_template
 
+    # checked before the model loads: a template that does not parse is a startup error
+    chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     _threads(args)
     quantization = _serving_quantization(args)
     config = EngineConfig(
@@ -75,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key_all_routes=args.api_key_all_routes, max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens, vllm_metric_names=args.vllm_metric_names,
-        limits=ServerLimits.from_namespace(args),
+        limits=ServerLimits.from_namespace(args), chat_template=chat_template,
     )
     install_kv(app, args)  # Chapter 13: a KV role, a KV tier
     print(f"infer-lab: serving on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
@@ -156,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
     srv.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: by device)")
+    srv.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                     help="a jinja chat template (a file, or the template itself) used for every "
+                     "request instead of the model's; checked at startup. If it reads 'tools', "
+                     "a request's tools are passed to it; else the server's default tool prompt "
+                     "describes them")
     srv.add_argument("--max-num-seqs", type=int, default=64, help="most running sequences")
     srv.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="token budget of one step (prefill chunks + decodes)")

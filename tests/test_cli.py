@@ -77,3 +77,30 @@ def test_the_serve_choices_are_the_package_lists():
     assert choices["policy"] == POLICIES
     assert choices["quantization"] == (*QUANTIZATIONS, "none")
     assert choices["kv_cache_dtype"] == KV_CACHE_DTYPES
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{% for m in messages %}{{ m.content }}", "--chat-template: the chat template does not "
+         "parse: line 1"),
+        ("/nonexistent/template.jinja", "looks like a file, but it cannot be read"),
+        ("  \n", "the template is empty"),
+    ],
+)
+def test_a_bad_chat_template_is_a_startup_error(capsys, value, message):
+    """Refused before the model loads (a model that does not exist is never looked at)."""
+    argv = ["serve", "--model", "/nonexistent/model", "--chat-template", value]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and "is not a directory" not in err
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
+    from infer_lab.serve.template import load_chat_template
+
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(inline + "\n", encoding="utf-8")
+    assert load_chat_template(str(path)) == inline + "\n"
+    assert load_chat_template(inline) == inline

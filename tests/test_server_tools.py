@@ -7,17 +7,26 @@ position after the prompt (the model "decides" to write the script). The grammar
 on top: what is checked is the server's part — the structural tag that keeps a started call
 valid for an offered tool, the parsing into ``tool_calls``, the stream that never shows the
 markup, and the finish reasons. Unsteered, the model answers in text and nothing changes.
+
+How the tools reach the prompt is checked by the prompt's token count against a render of the
+expected conversation: the server's default tool prompt for the bundled model (its template has
+no tools section), the ``tools`` variable for a template with one, whether it is the model's own
+or ``--chat-template``'s.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import openai
 import pytest
 
+from infer_lab.model.loader import BUNDLED_MODEL_DIR
+from infer_lab.serve.limits import ServerLimits
 from infer_lab.serve.server import make_app
+from infer_lab.serve.tools import auto_plan
 from tests.live_server import metric, running, wait_for
 
 MODEL = "tiny-kjv"
@@ -28,6 +37,18 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+# The bundled model's format with a tools section, "### " before each message (so that it is
+# told apart from the bundled template) and, for the message "spin", a render that never ends.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{{ t.function.parameters | tojson }}{% endfor %}<|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n### {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}: {{ c.function.arguments.city }}"
+    "</call>{% endfor %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{% if messages[0].content == 'spin' %}{% for i in range(100000) %}"
+    "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +201,107 @@ def test_bad_tool_requests_are_400(server, extra, field):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
     assert no_blocks_held(server)
+
+
+def prompt_tokens(client, messages=ASK, **kw) -> int:
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                       temperature=0, **kw)
+    return r.usage.prompt_tokens
+
+
+def rendered(tok, messages, template=None, tools=None) -> int:
+    """Tokens of the conversation as the template renders it."""
+    return len(tok.apply_chat_template(messages, tokenize=True, chat_template=template,
+                                       tools=tools))
+
+
+PAST_CALL = {"role": "assistant", "content": None, "tool_calls": [{
+    "id": "call_1", "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+
+
+def test_without_a_tools_section_the_default_tool_prompt_describes_them(app, client):
+    server = app.state.server
+    assert not server.renderer.reads_tools  # the bundled model's template
+    tok = server.tokenizer
+    plan = auto_plan({"get_weather": WEATHER["function"]["parameters"]}, True)
+    prompted = plan.with_system(ASK)
+    assert "get_weather" in prompted[0]["content"] and "<tool_call>" in prompted[0]["content"]
+    assert prompt_tokens(client, tools=[WEATHER]) == rendered(tok, prompted)
+    assert prompt_tokens(client, tools=[WEATHER], tool_choice="none") == rendered(tok, ASK)
+    # an earlier call is written into the assistant's text in the format the prompt teaches
+    thanks = {"role": "user", "content": "Thanks."}
+    seen = [*ASK, {"role": "assistant", "content": CALL}, thanks]
+    assert prompt_tokens(client, [*ASK, PAST_CALL, thanks], tools=[WEATHER]) == rendered(
+        tok, plan.with_system(seen))
+
+
+@pytest.mark.parametrize(("call", "field"), [
+    ({"type": "function", "function": {"name": "get_weather", "arguments": "{nope"}},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"type": "function", "function": {"arguments": "{}"}}, "messages[1].tool_calls[0]"),
+    ({"type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}},
+     "messages[1].tool_calls[0]"),
+])
+def test_bad_earlier_tool_calls_are_400(server, call, field):
+    messages = [*ASK, {"role": "assistant", "tool_calls": [call]}]
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                   json={"messages": messages, "tools": [WEATHER], "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory):
+    """The bundled model with TOOLS_TEMPLATE as its own chat template."""
+    path = tmp_path_factory.mktemp("tools-model") / MODEL
+    shutil.copytree(BUNDLED_MODEL_DIR, path)
+    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["chat_template"] = TOOLS_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("where", ["the model's", "--chat-template"])
+def test_a_template_with_a_tools_section_gets_the_tools(tools_model, where):
+    limits = ServerLimits(template_timeout=2.0)
+    app = (make_app(tools_model, device="cpu", num_kv_blocks=64, limits=limits)
+           if where == "the model's" else
+           make_app(None, device="cpu", num_kv_blocks=64, limits=limits,
+                    chat_template=TOOLS_TEMPLATE))
+    server = app.state.server
+    tok = server.tokenizer
+    assert server.renderer.reads_tools
+    with running(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        plain = rendered(tok, ASK, TOOLS_TEMPLATE)
+        if where == "--chat-template":
+            assert plain != rendered(tok, ASK)  # the model's own template would differ
+        assert prompt_tokens(client) == plain  # the template of every request
+        for tools in ([WEATHER], [WEATHER, TIME]):
+            want = rendered(tok, ASK, TOOLS_TEMPLATE, tools)
+            assert want > plain  # the tools section was rendered, not the default prompt
+            for choice in ("auto", "required"):
+                assert prompt_tokens(client, tools=tools, tool_choice=choice) == want
+        assert prompt_tokens(client, tools=[WEATHER], tool_choice="none") == plain
+        # the template still renders in a child process, under the deadline
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "spin"}], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template_limit"
+        assert prompt_tokens(client, tools=[WEATHER]) == rendered(  # and the next is served
+            tok, ASK, TOOLS_TEMPLATE, [WEATHER])
+        # an earlier call reaches the template as a field, its arguments parsed
+        sent = [*ASK, PAST_CALL, {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+        seen = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": "Paris"}}}]}, sent[-1]]
+        want = rendered(tok, seen, TOOLS_TEMPLATE, [WEATHER])
+        assert want > rendered(tok, [*ASK, {"role": "assistant", "content": ""}, sent[-1]],
+                               TOOLS_TEMPLATE, [WEATHER]) + 3  # the call and its city
+        assert prompt_tokens(client, sent, tools=[WEATHER]) == want
+        assert no_blocks_held(base)
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_before_loading():
+    with pytest.raises(ValueError, match="does not parse"):
+        make_app("/nonexistent/model", chat_template="{% if %}")

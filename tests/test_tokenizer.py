@@ -19,7 +19,13 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from infer_lab.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from infer_lab.model.tokenizer import (
+    ChatTemplateError,
+    IncrementalDetokenizer,
+    Tokenizer,
+    check_chat_template,
+    template_reads,
+)
 
 CORPUS = [
     "café naïve résumé, déjà vu à la crème brûlée.",
@@ -351,6 +357,28 @@ def test_no_chat_template_is_a_clear_error(bpe_dir: Path, tmp_path: Path) -> Non
         t.apply_chat_template([{"role": "user", "content": "hi"}])
     # An explicit template still works for a model without one.
     assert t.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="X") == "X"
+
+
+@pytest.mark.parametrize(("source", "reads"), [
+    ("{% if tools %}{% for t in tools %}{{ t.function.name }}{% endfor %}{% endif %}", True),
+    ("{{ tools | tojson }}", True),
+    ("{% macro f() %}{{ tools }}{% endmacro %}{{ f() }}", True),
+    ("{# tools #}{{ 'tools' }}{{ messages[0].tools }}", False),  # a comment, a string, a key
+    ("{% set tools_doc = 'tools' %}{{ tools_doc }}", False),
+    ("{% if %}{{ tools }}", False),  # does not parse
+    ("{{ 'a' * 2000000000 }}{{ tools }}", True),  # parsed, not compiled: no 2 GB string here
+])
+def test_template_reads_finds_the_variable_in_the_parsed_template(source: str,
+                                                                   reads: bool) -> None:
+    assert template_reads(source, "tools") is reads
+
+
+def test_check_chat_template_says_where_it_does_not_parse() -> None:
+    check_chat_template("{% generation %}{{ messages }}{% endgeneration %}")  # transformers' tag
+    with pytest.raises(ValueError, match="does not parse: line 2"):
+        check_chat_template("ok\n{% for m in messages %}")
+    with pytest.raises(ValueError, match="does not parse"):
+        check_chat_template("{{ }")
 
 
 # --------------------------------------------------------------------- streaming detokenizer

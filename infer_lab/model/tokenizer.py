@@ -28,7 +28,7 @@ from tokenizers import Tokenizer as _BackendTokenizer
 
 __all__ = [
     "ChatTemplateError", "IncrementalDetokenizer", "TemplateLimitError", "Tokenizer",
-    "render_chat_template",
+    "check_chat_template", "render_chat_template", "template_reads",
 ]
 
 # The named special tokens `transformers` hands to a chat template (its `special_tokens_map`).
@@ -174,9 +174,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=16)
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """Compile once per template. Templates come from the hub: untrusted code, so sandboxed."""
+def _environment() -> jinja2.Environment:
+    """The environment `transformers` builds. Templates come from the hub: untrusted code, so
+    sandboxed."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
     )
@@ -185,7 +185,41 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = dict
     env.globals["namespace"] = _TemplateNamespace
-    return env.from_string(source)
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Compile once per template."""
+    return _environment().from_string(source)
+
+
+def check_chat_template(source: str) -> None:
+    """Compile ``source`` (nothing is rendered): a ``ValueError`` saying where, if it does not
+    parse. A server checks a template it is given this way at startup."""
+    try:
+        _compile_chat_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: line {e.lineno}: {e.message}"
+                         ) from None
+    except RecursionError:
+        raise ValueError("the chat template does not parse: it nests too deeply") from None
+
+
+@lru_cache(maxsize=16)
+def template_reads(source: str, name: str) -> bool:
+    """Whether the chat template ``source`` reads the variable ``name`` (``tools``: whether it
+    has a tools section). Found in the parsed template, not by searching its text, so a comment,
+    a string or a key that says "tools" does not count. False for a template that does not parse.
+
+    Only parsed, never compiled: jinja's compiler folds constants, so compiling ``{{ 'a' *
+    2000000000 }}`` builds that string, and a model's template is untrusted (it renders in a
+    child process, :mod:`infer_lab.serve.template`)."""
+    try:
+        tree = _environment().parse(source)
+        return any(n.name == name and n.ctx == "load" for n in tree.find_all(nodes.Name))
+    except (jinja2.TemplateSyntaxError, RecursionError):
+        return False
 
 
 def render_chat_template(

@@ -63,14 +63,17 @@ def build_app(
     guard_all: bool = False,
     body_timeout: float = 30.0,
     limits: ServerLimits | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The HTTP face of an engine, started and stopped with the app. With ``api_key``, the
     ``/v1`` routes need it (and ``/metrics`` and the docs too when ``guard_all``); ``limits``
-    bound what one request may cost (the defaults of :class:`ServerLimits` otherwise)."""
+    bound what one request may cost (the defaults of :class:`ServerLimits` otherwise);
+    ``chat_template`` replaces the model's (a ``ValueError`` here if it does not parse)."""
     app = FastAPI(title="infer_lab", version="0.1.0", lifespan=_lifespan,
                   description=DESCRIPTION)
     context = max_model_len or engine.engine.max_model_len
-    app.state.server = ServerState(engine, model_name, context, limits or ServerLimits())
+    app.state.server = ServerState(engine, model_name, context, limits or ServerLimits(),
+                                   chat_template=chat_template)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     install_handlers(app)
     app.include_router(router)

@@ -48,7 +48,7 @@ from infer_lab.serve.responses import (
     usage_of,
 )
 from infer_lab.serve.state import ServerState, server_state
-from infer_lab.serve.tools import tool_plan
+from infer_lab.serve.tools import conversation, tool_plan, tool_prompt
 
 log = logging.getLogger("infer_lab.serve")
 router = APIRouter()
@@ -154,11 +154,11 @@ async def chat(request: Request, server: Server) -> Any:
     check_request(server, body)
     plan = refuse_unsupported(server, lambda: tool_plan(body))
     constraint = plan.constraint if plan else refuse_unsupported(server, body.constraint)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    if plan:
-        messages = plan.with_system(messages)
+    in_template = server.renderer.reads_tools  # the template has a tools section
+    messages = refuse_unsupported(server, lambda: conversation(body.messages, in_template))
+    messages, tools = tool_prompt(plan, messages, body.tools, in_template)
     server.engine.check_admission()
-    ids = await server.encode_chat(messages)
+    ids = await server.encode_chat(messages, tools)
     await server.prepare(constraint, "tools" if plan else constraint_param(body))
     wanted = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None

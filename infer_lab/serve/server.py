@@ -22,6 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from infer_lab.engine import LLMEngine
 from infer_lab.engine.config import EngineConfig
 from infer_lab.model.loader import load, resolve_model_path
+from infer_lab.model.tokenizer import check_chat_template
 from infer_lab.serve.app import build_app
 from infer_lab.serve.async_engine import AsyncEngine
 from infer_lab.serve.limits import ServerLimits
@@ -56,11 +57,14 @@ def make_app(
     max_waiting_tokens: int = 1 << 18,
     vllm_metric_names: bool = False,
     limits: ServerLimits | None = None,
+    chat_template: str | None = None,
     **engine_args: Any,
 ) -> FastAPI:
     """An app serving ``model`` (the bundled one by default) with one :class:`EngineConfig`
-    (``config``, with ``engine_args`` replacing its fields) and the request limits
-    ``limits``."""
+    (``config``, with ``engine_args`` replacing its fields), the request limits ``limits``
+    and ``chat_template`` (a template's text) in place of the model's, checked first."""
+    if chat_template is not None:
+        check_chat_template(chat_template)  # before the model loads: a startup error
     path = resolve_model_path(model)
     name = model_id(model, path, served_model_name)
     config = EngineConfig.from_kwargs(config, **engine_args)
@@ -73,7 +77,8 @@ def make_app(
                          max_waiting_tokens=max_waiting_tokens,
                          max_inflight_tokens=limits.max_inflight_tokens)
     return build_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes,
-                     guard_all=api_key_all_routes, body_timeout=body_timeout, limits=limits)
+                     guard_all=api_key_all_routes, body_timeout=body_timeout, limits=limits,
+                     chat_template=chat_template)
 
 
 class StrictConnection(h11.Connection):

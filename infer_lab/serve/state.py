@@ -10,6 +10,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -48,6 +49,7 @@ class ServerState:
     max_prompt_bytes: int = 0
     max_concurrency: int | None = None  # requests in the app at once (set by make_server)
     compiles: int = 0  # grammar compilations running or queued
+    chat_template: str | None = None  # --chat-template: replaces the model's for every request
 
     def __post_init__(self) -> None:
         if not self.max_prompt_bytes:
@@ -56,7 +58,8 @@ class ServerState:
             self.max_prompt_bytes = self.context * max(1, longest) * _NORMALIZER_SLACK
         self.engine.engine.structured.limits = self.limits.grammar_limits()
         self.renderer = TemplateRenderer(self.tokenizer, timeout=self.limits.template_timeout,
-                                         max_bytes=self.max_prompt_bytes)
+                                         max_bytes=self.max_prompt_bytes,
+                                         chat_template=self.chat_template)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -105,14 +108,17 @@ class ServerState:
         ids = await loop.run_in_executor(self.pool, self.tokenizer.encode_batch, [text])
         return ids[0]
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]],
+                          tools: list[dict] | None = None) -> list[int]:
         """Render the chat template (in a child process, with a deadline, its output within
-        the prompt's byte limit) and tokenize it, both off the event loop."""
+        the prompt's byte limit; ``tools`` as its variable ``tools``) and tokenize it, both
+        off the event loop."""
         self.check_prompt_bytes(sum(len(m["content"].encode("utf-8")) for m in messages),
                                 "messages")
         loop = asyncio.get_running_loop()
         try:
-            text = await loop.run_in_executor(self.template_pool, self.renderer.render, messages)
+            text = await loop.run_in_executor(self.template_pool, self.renderer.render,
+                                              messages, True, tools)
         except TemplateLimitError as e:
             raise self.refuse(e.reason, str(e), "messages", "chat_template_limit") from e
         except ValueError as e:  # no template, or the template refused the conversation

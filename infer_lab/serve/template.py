@@ -11,6 +11,11 @@ The child loads ``infer_lab/model/tokenizer.py`` by its path and runs
 :func:`~infer_lab.model.tokenizer.template_worker`: the same renderer as in-process, without
 importing ``infer_lab`` (and torch), so that it starts in a fraction of a second. POSIX only (the
 deadline uses ``select`` on the pipe); elsewhere templates render in-process with the byte cap.
+
+The template is the model's, or the one ``infer-lab serve --chat-template`` gives for every
+request (:func:`load_chat_template`: a file or the template itself, checked at startup). Whether
+it has a tools section (reads the variable ``tools``) decides how a request's tools are described
+to the model (:mod:`infer_lab.serve.tools`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,13 @@ import weakref
 from typing import Any
 
 from infer_lab.model import tokenizer as tokenizer_module
-from infer_lab.model.tokenizer import ChatTemplateError, TemplateLimitError, Tokenizer
+from infer_lab.model.tokenizer import (
+    ChatTemplateError,
+    TemplateLimitError,
+    Tokenizer,
+    check_chat_template,
+    template_reads,
+)
 
 _BOOT = ("import importlib.util, sys\n"
          "spec = importlib.util.spec_from_file_location('infer_lab_template_worker', sys.argv[1])\n"
@@ -102,17 +113,45 @@ class _Worker:
                 stream.close()
 
 
+def load_chat_template(value: str) -> str:
+    """``--chat-template``'s value as a template: the text of the file it names, else the value
+    itself when it looks like jinja (it has ``{``, ``}`` or a newline; vLLM's rule), taken as is.
+    A ``ValueError`` for a path that cannot be read or a template that does not parse."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, ValueError) as e:
+        if not any(c in value for c in "{}\n"):
+            why = getattr(e, "strerror", None) or e
+            raise ValueError(f"--chat-template {value!r} looks like a file, but it cannot be "
+                             f"read ({why}); give a file or the template itself") from None
+        source = value
+    if not source.strip():
+        raise ValueError(f"--chat-template {value!r}: the template is empty")
+    try:
+        check_chat_template(source)
+    except ValueError as e:
+        raise ValueError(f"--chat-template: {e}") from None
+    return source
+
+
 class TemplateRenderer:
-    """Render one tokenizer's chat template, ``workers`` conversations at a time, each within
-    ``timeout`` seconds and ``max_bytes`` of output; thread-safe (call it from worker threads).
+    """Render a chat template (``chat_template``, else the tokenizer's), ``workers``
+    conversations at a time, each within ``timeout`` seconds and ``max_bytes`` of output;
+    thread-safe (call it from worker threads). ``reads_tools``: whether the template has a
+    tools section.
 
     Raises :class:`~infer_lab.model.tokenizer.TemplateLimitError` past a limit and
     :class:`~infer_lab.model.tokenizer.ChatTemplateError` when the template refuses the
     conversation (``raise_exception``) or fails on it; ``ValueError`` if there is no template."""
 
     def __init__(self, tokenizer: Tokenizer, *, timeout: float, max_bytes: int,
-                 workers: int = 2, memory_bytes: int | None = None) -> None:
+                 workers: int = 2, memory_bytes: int | None = None,
+                 chat_template: str | None = None) -> None:
         self.tokenizer, self.timeout, self.max_bytes = tokenizer, timeout, max_bytes
+        if chat_template is not None:
+            check_chat_template(chat_template)
+        self.override = chat_template
         self.isolated = os.name == "posix"
         memory = memory_bytes or max(MIN_MEMORY, 8 * max_bytes)
         self._workers = [_Worker(memory) for _ in range(workers)]
@@ -121,14 +160,30 @@ class TemplateRenderer:
             self._idle.put(worker)
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        tok = self.tokenizer
-        if tok.chat_template is None or not self.isolated:
-            return tok.apply_chat_template(messages, add_generation_prompt,
-                                           max_bytes=self.max_bytes)  # type: ignore[return-value]
-        request = {"source": tok.chat_template, "add_generation_prompt": add_generation_prompt,
+    @property
+    def chat_template(self) -> str | None:
+        """The override, else the tokenizer's template as it is now."""
+        return self.override if self.override is not None else self.tokenizer.chat_template
+
+    @property
+    def reads_tools(self) -> bool:
+        """Whether the template has a tools section (parsed once per template, not run)."""
+        source = self.chat_template
+        return bool(source) and template_reads(source, "tools")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The prompt for ``messages``, the template given ``tools`` (OpenAI's shape, as
+        ``transformers`` passes them) as its variable ``tools``."""
+        tok, source = self.tokenizer, self.chat_template
+        if source is None or not self.isolated:
+            return tok.apply_chat_template(  # type: ignore[return-value]
+                messages, add_generation_prompt, chat_template=source,
+                max_bytes=self.max_bytes, tools=tools)
+        request = {"source": source, "add_generation_prompt": add_generation_prompt,
                    "messages": [{k: v for k, v in m.items() if v is not None} for m in messages],
-                   "variables": tok.template_variables(), "max_bytes": self.max_bytes}
+                   "variables": tok.template_variables(tools=tools),
+                   "max_bytes": self.max_bytes}
         worker = self._idle.get()
         try:
             reply = worker.call(request, self.timeout)

@@ -20,6 +20,18 @@
   call, so the markup never reaches the client (:class:`ToolStream`). A call cut off by
   ``max_tokens`` is dropped, with ``finish_reason: "length"``.
 - ``tool_choice`` "none": the tools are not offered; the model answers in text.
+
+How the model is told about the tools (:func:`tool_prompt`): when the chat template has a tools
+section (it reads the variable ``tools``; the model's template, or ``--chat-template``'s), the
+request's ``tools`` are passed to it, as ``transformers`` does, and the model sees them in the
+format it was trained on. Otherwise the server's default tool prompt
+(:meth:`ToolPlan.with_system`, this module) lists them in the system message and, for "auto",
+spells out the call format above. An assistant's earlier ``tool_calls`` reach the first kind
+of template as a field and the second as text in that format (:func:`conversation`). Either way
+the calls are parsed in that one format (Hermes / Qwen style): a template that teaches another
+format (Llama 3's bare JSON, Mistral's ``[TOOL_CALLS]``) still gets its "auto" calls only
+through the ``<tool_call>`` trigger, since the server has no per-family parser (vLLM's
+``--tool-call-parser``).
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer_lab.engine.structured import StructuredOutputsParams
-from infer_lab.serve.protocol import ChatCompletionRequest, UnsupportedField
+from infer_lab.serve.protocol import ChatCompletionRequest, ChatMessage, UnsupportedField
 
 _TOOL_SHAPE = "a tool is {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -53,7 +65,7 @@ class ToolPlan:
     functions: dict[str, dict[str, Any]]
     auto: bool = False  # the model chooses between text and calls (tool_choice "auto")
 
-    def with_system(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    def with_system(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation with the functions described in its system message (the server's
         default tool prompt)."""
         offered = json.dumps([{"name": n, "parameters": p} for n, p in self.functions.items()])
@@ -159,6 +171,78 @@ class ToolStream:
         self.sent_calls = len(calls)
         self.calls = calls
         return out_text, deltas
+
+
+_PAST_CALL = "a tool call is {'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
+
+
+def conversation(messages: list[ChatMessage], template_reads_tools: bool) -> list[dict[str, Any]]:
+    """The messages for the chat template. An assistant's earlier ``tool_calls`` reach a
+    template with a tools section as a field, the arguments parsed into objects (what
+    ``transformers``' templates expect; vLLM does the same), and a tool result keeps its
+    ``tool_call_id``; any other template sees the calls written into the assistant's text in
+    the default format, the one the default tool prompt teaches."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        extra = m.model_extra or {}
+        if m.role == "assistant" and extra.get("tool_calls"):
+            calls = _past_calls(extra["tool_calls"], f"messages[{i}].tool_calls")
+            if template_reads_tools:
+                message["tool_calls"] = calls
+            else:
+                message["content"] += "".join(
+                    call_begin(c["function"]["name"])
+                    + json.dumps(c["function"]["arguments"], ensure_ascii=False) + END
+                    for c in calls)
+        if m.role == "tool" and isinstance(extra.get("tool_call_id"), str):
+            message["tool_call_id"] = _plain(extra["tool_call_id"], f"messages[{i}].tool_call_id")
+        out.append(message)
+    return out
+
+
+def _past_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise UnsupportedField(where, "must be a list; " + _PAST_CALL)
+    calls = []
+    for j, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise UnsupportedField(f"{where}[{j}]", _PAST_CALL)
+        arguments = fn.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise UnsupportedField(f"{where}[{j}].function.arguments",
+                                       "must be JSON") from None
+        past = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            past["id"] = call["id"]
+        calls.append(_plain(past, f"{where}[{j}]"))
+    return calls
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value``, if it can be written as UTF-8 JSON (no lone surrogates from a ``\\ud800``)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, ValueError, RecursionError):
+        raise UnsupportedField(where, "is not valid Unicode JSON") from None
+    return value
+
+
+def tool_prompt(plan: ToolPlan | None, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None, template_reads_tools: bool,
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The conversation and the ``tools`` variable the chat template gets: with a plan, the
+    request's ``tools`` when the template has a tools section, else none and the server's
+    default tool prompt in the system message; without one, the conversation alone."""
+    if plan is None:
+        return messages, None
+    if template_reads_tools:
+        return messages, tools
+    return plan.with_system(messages), None
 
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
