@@ -270,6 +270,21 @@ def aiperf_own_p50(summary: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
+def headline(payload: dict[str, Any]) -> str:
+    """The figures the README quotes, from a results file: per load, both tools' TTFT and ITL
+    medians (ms), aiperf's difference, the verdict, and the server's own mean ITL under each."""
+    parts = []
+    for pt in payload["points"]:
+        v, srv = pt["verdict"], [r["server_mean_ms"]["itl"] for r in pt["runs"]["aiperf"]]
+        ours_srv = [r["server_mean_ms"]["itl"] for r in pt["runs"]["infer_lab"]]
+        cells = ", ".join(f"{m.upper()} {v[m]['ours_p50_ms']:.1f} vs {v[m]['aiperf_p50_ms']:.1f}"
+                          f" ms ({v[m]['diff']:+.0%}, {'agree' if v[m]['agree'] else 'differ'})"
+                          for m in ("ttft", "itl"))
+        parts.append(f"C = {pt['concurrency']}: {cells}; server's mean ITL "
+                     f"{np.median(ours_srv):.1f} ms under ours, {np.median(srv):.1f} under aiperf")
+    return "; ".join(parts)
+
+
 def run_ours(base: str, model: str, c: int, n: int, input_len: int, output_len: int,
              seed: int) -> tuple[list[Req], dict[str, Any]]:
     """One ``infer-lab bench`` run at concurrency ``c`` (its default warm-ups, max(C, 4))."""
@@ -311,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="Linux: the server on CPU 0, this script and aiperf on CPU 1, so that "
                         "neither client can take the server's core")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--name", default="aiperf_compare", help="results file name, no .json")
     args = p.parse_args(argv)
 
     exit_on_sigterm()
@@ -387,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                      "bootstrap intervals of the pooled medians overlap",
         "points": points,
     }
-    print(f"\nwrote {write_results('aiperf_compare', jsonable(payload), args.out)}")
+    print(f"\nREADME figures: {headline(payload)}")
+    print(f"\nwrote {write_results(args.name, jsonable(payload), args.out)}")
 
 
 if __name__ == "__main__":
