@@ -99,3 +99,21 @@ def test_aiperf_verdict_needs_close_medians_and_overlapping_intervals():
     slower = verdict(ours, pooled([run(1.2), run(1.2), run(1.2)]))  # 20% apart
     assert not slower["ttft"]["agree"] and slower["ttft"]["diff"] > 0.15
     assert not slower["itl"]["intervals_overlap"]
+
+
+def test_the_readme_quotes_the_committed_aiperf_comparison():
+    """The README's aiperf row is plain Markdown: its figures must be what
+    benchmarks/results/aiperf_compare.json holds, as ``headline`` prints them."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.aiperf_compare import headline
+
+    root = Path(__file__).parents[1]
+    data = json.loads((root / "benchmarks" / "results" / "aiperf_compare.json").read_text())
+    row = next(line for line in (root / "README.md").read_text().splitlines()
+               if line.startswith("| `python -m benchmarks.aiperf_compare"))
+    assert headline(data) in row and f"aiperf {data['aiperf_version']}" in row
+    assert data["workload"]["repeats"] >= 3 and all(
+        len(pt["runs"][tool]) == data["workload"]["repeats"]
+        for pt in data["points"] for tool in ("infer_lab", "aiperf"))
