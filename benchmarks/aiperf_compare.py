@@ -39,7 +39,9 @@ aiperf runs as many processes (controller, dataset manager, timing manager, work
 processors); ``--workers-max 1 --record-processors 1`` and no server-metrics scraping keep it
 as light as it goes, but on a 2-core machine it still competes with the server it measures:
 the JSON keeps its CPU seconds (whole invocation, start-up included) and the server's own
-``/metrics`` means while each tool ran. Not a test: a benchmark on a shared machine.
+``/metrics`` means while each tool ran (measured: aiperf kept a whole core busy at C = 1, 30 CPU s
+in a 32 s run, and the server slowed under it; ``--pin`` gives the server a core of its own).
+Not a test: a benchmark on a shared machine.
 
 aiperf pins versions (pandas, rich, pyzmq, pillow) that clash with the dev environment, so it is
 best installed in a venv of its own; the script looks for ``aiperf`` next to this interpreter,

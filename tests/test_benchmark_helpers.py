@@ -110,10 +110,12 @@ def test_the_readme_quotes_the_committed_aiperf_comparison():
     from benchmarks.aiperf_compare import headline
 
     root = Path(__file__).parents[1]
-    data = json.loads((root / "benchmarks" / "results" / "aiperf_compare.json").read_text())
     row = next(line for line in (root / "README.md").read_text().splitlines()
                if line.startswith("| `python -m benchmarks.aiperf_compare"))
-    assert headline(data) in row and f"aiperf {data['aiperf_version']}" in row
-    assert data["workload"]["repeats"] >= 3 and all(
-        len(pt["runs"][tool]) == data["workload"]["repeats"]
-        for pt in data["points"] for tool in ("infer_lab", "aiperf"))
+    for name in ("aiperf_compare", "aiperf_compare_pinned"):
+        data = json.loads((root / "benchmarks" / "results" / f"{name}.json").read_text())
+        assert headline(data) in row and f"aiperf {data['aiperf_version']}" in row
+        assert data["workload"]["repeats"] >= 3 and all(
+            len(pt["runs"][tool]) == data["workload"]["repeats"]
+            for pt in data["points"] for tool in ("infer_lab", "aiperf"))
+        assert (data.get("pinned") is not None) == (name == "aiperf_compare_pinned")
