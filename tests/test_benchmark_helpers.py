@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime as dt
 
+import numpy as np
+
 import infer_lab as il
 from benchmarks._common import provenance
 from benchmarks.batching import cpu_cost_per_step
@@ -45,3 +47,75 @@ def test_quant_formats_merge_replaces_rerun_rows_and_keeps_both_provenances(tmp_
     run_m = out["runs"]["m"]
     assert run_m["provenance"]["commit"] == "aaa"
     assert run_m["reruns"] == [{"formats": ["AWQ", "new"], "provenance": {"commit": "bbb"}}]
+
+
+def _aiperf_record(phase, start_ns, ttft_ms, e2el_ms, icl_ms, error=None):
+    """One line of aiperf 0.13's ``profile_export.jsonl``, as its record exporter writes it."""
+    import json
+
+    metrics = {"time_to_first_token": {"value": ttft_ms, "unit": "ms"},
+               "request_latency": {"value": e2el_ms, "unit": "ms"},
+               "inter_token_latency": {"value": (e2el_ms - ttft_ms) / len(icl_ms), "unit": "ms"},
+               "inter_chunk_latency": {"value": icl_ms, "unit": "ms"},
+               "output_sequence_length": {"value": len(icl_ms) + 1, "unit": "tokens"}}
+    return json.dumps({"metadata": {"benchmark_phase": phase, "request_start_ns": start_ns},
+                       "metrics": {} if error else metrics, "error": error})
+
+
+def test_aiperf_records_become_our_requests_in_seconds_without_warmups_or_errors():
+    from pytest import approx
+
+    from benchmarks.aiperf_compare import aiperf_requests
+
+    lines = [_aiperf_record("warmup", 0, 5.0, 20.0, [5.0, 10.0]),
+             _aiperf_record("profiling", 3_000_000_000, 10.0, 40.0, [10.0, 20.0]),
+             _aiperf_record("profiling", 3_500_000_000, 1.0, 2.0, [1.0], error={"code": 500}),
+             _aiperf_record("profiling", 4_000_000_000, 12.0, 32.0, [8.0, 12.0]), ""]
+    reqs, left = aiperf_requests(lines)
+    assert left == {"warmup": 1, "errored": 1}
+    assert [r.sent for r in reqs] == approx([0.0, 1.0])  # the measured phase's first send is 0
+    assert (reqs[0].ttft, reqs[0].e2el, reqs[0].tpot) == approx((0.010, 0.040, 0.015))
+    assert reqs[0].output_tokens == 3 and reqs[1].itl == approx([0.008, 0.012])
+
+
+def test_aiperf_verdict_needs_close_medians_and_overlapping_intervals():
+    from benchmarks.aiperf_compare import METRICS, Req, pooled, verdict
+
+    rng = np.random.default_rng(0)
+
+    def run(scale, n=200):
+        return [Req(sent=i * 0.1, ttft=scale * (0.010 + 0.001 * rng.random()),
+                    e2el=scale * 0.3, tpot=scale * 0.0045,
+                    itl=list(scale * (0.0045 + 0.0005 * rng.random(8))), output_tokens=9)
+                for i in range(n)]
+
+    ours = pooled([run(1.0), run(1.0), run(1.0)])
+    assert ours["num_requests"] == 600 and ours["itl"]["samples"] == 600 * 8
+    lo, hi = ours["ttft"]["ci_block_ms"]
+    assert lo <= ours["ttft"]["p50_ms"] <= hi and len(ours["ttft"]["per_repeat_p50_ms"]) == 3
+    same = verdict(ours, pooled([run(1.0), run(1.0), run(1.0)]))
+    assert set(same) == {m for m, *_ in METRICS}
+    assert same["ttft"]["agree"] and abs(same["ttft"]["diff"]) < 0.02
+    slower = verdict(ours, pooled([run(1.2), run(1.2), run(1.2)]))  # 20% apart
+    assert not slower["ttft"]["agree"] and slower["ttft"]["diff"] > 0.15
+    assert not slower["itl"]["intervals_overlap"]
+
+
+def test_the_readme_quotes_the_committed_aiperf_comparison():
+    """The README's aiperf row is plain Markdown: its figures must be what
+    benchmarks/results/aiperf_compare.json holds, as ``headline`` prints them."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.aiperf_compare import headline
+
+    root = Path(__file__).parents[1]
+    row = next(line for line in (root / "README.md").read_text().splitlines()
+               if line.startswith("| `python -m benchmarks.aiperf_compare"))
+    for name in ("aiperf_compare", "aiperf_compare_pinned"):
+        data = json.loads((root / "benchmarks" / "results" / f"{name}.json").read_text())
+        assert headline(data) in row and f"aiperf {data['aiperf_version']}" in row
+        assert data["workload"]["repeats"] >= 3 and all(
+            len(pt["runs"][tool]) == data["workload"]["repeats"]
+            for pt in data["points"] for tool in ("infer_lab", "aiperf"))
+        assert (data.get("pinned") is not None) == (name == "aiperf_compare_pinned")
