@@ -158,6 +158,7 @@ def main() -> None:
                                   f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
                 results[str(threads)] = summarise(runs) | {"measured": dict(
                     date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    commit=provenance("cpu")["commit"], load_before=load_before,
                     load_after=os.getloadavg(), rounds=args.rounds)}
             finally:
                 for proc, _ in servers.values():
