@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 import infer_lab as il
+from infer_lab.engine.config import EngineConfig
 from infer_lab.serve.server import make_app
 from tests.helpers import assert_greedy_equal
 from tests.live_server import metric, running, wait_for
@@ -26,6 +29,27 @@ def server():
     app = make_app(None, device="cpu", num_kv_blocks=256, max_num_seqs=64)
     with running(app) as base:
         yield base
+
+
+def test_a_cpu_model_loads_in_a_thread_that_ends(monkeypatch):
+    """On a CPU the model loads in a thread gone by the time the app exists: OpenMP keeps a
+    worker team for each thread that ran a parallel op, and a team left in the caller beside the
+    engine loop's makes libgomp sleep its workers between ops (``server.load_engine``)."""
+    from infer_lab.serve import server as server_module
+
+    loaders: list[threading.Thread] = []
+    real_load = server_module.load
+
+    def load(*args, **kwargs):
+        loaders.append(threading.current_thread())
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "load", load)
+    app = make_app(None, device="cpu", num_kv_blocks=16)
+    assert app is not None and len(loaders) == 1
+    assert loaders[0] is not threading.current_thread() and not loaders[0].is_alive()
+    with pytest.raises(FileNotFoundError):  # a load's error still reaches the caller
+        server_module.load_engine(Path("/nonexistent/model"), EngineConfig(), device="cpu")
 
 
 @pytest.fixture(scope="module")

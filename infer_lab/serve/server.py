@@ -11,14 +11,17 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import h11
+import torch
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from infer_lab.device import default_device
 from infer_lab.engine import LLMEngine
 from infer_lab.engine.config import EngineConfig
 from infer_lab.model.loader import load, resolve_model_path
@@ -68,10 +71,8 @@ def make_app(
     path = resolve_model_path(model)
     name = model_id(model, path, served_model_name)
     config = EngineConfig.from_kwargs(config, **engine_args)
-    llm_model, tokenizer = load(path, device=device, dtype=dtype,
-                                quantization=config.quantization)  # Chapter 8
     limits = limits or ServerLimits()
-    engine = AsyncEngine(LLMEngine(llm_model, tokenizer, config),
+    engine = AsyncEngine(load_engine(path, config, device=device, dtype=dtype),
                          ServerMetrics(name, vllm_names=vllm_metric_names),
                          max_waiting_requests=max_waiting_requests,
                          max_waiting_tokens=max_waiting_tokens,
@@ -79,6 +80,27 @@ def make_app(
     return build_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes,
                      guard_all=api_key_all_routes, body_timeout=body_timeout, limits=limits,
                      chat_template=chat_template)
+
+
+def load_engine(path: Path, config: EngineConfig, *, device: str | None = None,
+                dtype: str | None = None) -> LLMEngine:
+    """Load the model and build its engine; on a CPU, in a thread that then ends.
+
+    torch's CPU kernels run on OpenMP, which keeps a team of worker threads for each thread that
+    ever ran a parallel op. Once there are more of those than cores, libgomp stops spinning
+    between ops and puts its workers to sleep in the kernel after each one, so every op pays a
+    wake-up: loaded in the main thread and stepped in the engine loop's, two teams on two cores
+    cut one stream's decode by more than half (``benchmarks/results/peers.json``, section
+    ``server``). A thread's team ends with it, which leaves the engine loop's the only one."""
+    def build() -> LLMEngine:
+        model, tokenizer = load(path, device=device, dtype=dtype,
+                                quantization=config.quantization)  # Chapter 8
+        return LLMEngine(model, tokenizer, config)
+
+    if (torch.device(device) if device is not None else default_device()).type != "cpu":
+        return build()
+    with ThreadPoolExecutor(1, thread_name_prefix="load") as pool:
+        return pool.submit(build).result()
 
 
 class StrictConnection(h11.Connection):
