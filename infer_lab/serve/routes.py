@@ -152,10 +152,11 @@ async def chat(request: Request, server: Server) -> Any:
     body = await parse_body(request, server, ChatCompletionRequest)
     kv = kv_params(request, body)
     check_request(server, body)
-    plan = refuse_unsupported(server, lambda: tool_plan(body))
+    plan = refuse_unsupported(server, lambda: tool_plan(body, server.tool_format))
     constraint = plan.constraint if plan else refuse_unsupported(server, body.constraint)
     in_template = server.renderer.reads_tools  # the template has a tools section
-    messages = refuse_unsupported(server, lambda: conversation(body.messages, in_template))
+    messages = refuse_unsupported(
+        server, lambda: conversation(body.messages, in_template, server.tool_format))
     messages, tools = tool_prompt(plan, messages, body.tools, in_template)
     server.engine.check_admission()
     ids = await server.encode_chat(messages, tools)
