@@ -79,6 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens, vllm_metric_names=args.vllm_metric_names,
         limits=ServerLimits.from_namespace(args), chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser,
     )
     install_kv(app, args)  # Chapter 13: a KV role, a KV tier
     print(f"infer-lab: serving on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
@@ -164,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "request instead of the model's; checked at startup. If it reads 'tools', "
                      "a request's tools are passed to it; else the server's default tool prompt "
                      "describes them")
+    srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
+                     default="hermes", help="the format of tool calls the model writes when "
+                     "tool_choice is 'auto' (vLLM's names): hermes '<tool_call>{json}</tool_call>'"
+                     ", llama3_json '{\"name\": ..., \"parameters\": ...}', mistral "
+                     "'[TOOL_CALLS] [...]'; the grammar allows only valid calls of offered tools "
+                     "(default: hermes)")
     srv.add_argument("--max-num-seqs", type=int, default=64, help="most running sequences")
     srv.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="token budget of one step (prefill chunks + decodes)")

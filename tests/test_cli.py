@@ -71,12 +71,14 @@ def test_the_serve_choices_are_the_package_lists():
     from infer_lab.cli import build_parser
     from infer_lab.engine.config import POLICIES
     from infer_lab.model.quantize import QUANTIZATIONS
+    from infer_lab.serve.tool_formats import TOOL_CALL_PARSERS
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     choices = {a.dest: tuple(a.choices) for a in serve._actions if a.choices}
     assert choices["policy"] == POLICIES
     assert choices["quantization"] == (*QUANTIZATIONS, "none")
     assert choices["kv_cache_dtype"] == KV_CACHE_DTYPES
+    assert choices["tool_call_parser"] == TOOL_CALL_PARSERS
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ request every KV block is back in the pool.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -28,8 +30,12 @@ def bundled():
 
 
 @pytest.fixture(scope="module")
-def server():
-    app = make_app(None, device="cpu", num_kv_blocks=256, max_num_seqs=16)
+def app():
+    return make_app(None, device="cpu", num_kv_blocks=256, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def server(app):
     with running(app) as base:
         yield base
 
@@ -148,9 +154,93 @@ def test_token_id_prompts_and_batches(client, bundled):
     assert [c.text for c in texts.choices] == ref
 
 
+def test_a_batch_of_prompts_streams(client, server, bundled):
+    """As OpenAI and vLLM stream a batch: each chunk's choice carries its index (prompt i's
+    are i * n ...), the usage of all prompts comes in a last chunk, one [DONE] ends it."""
+    prompts = [prompt_ids(bundled), prompt_ids(bundled, "And the earth was")]
+    ref = [bundled[1].decode(naive(bundled, p, 5)) for p in prompts]
+    texts, reasons, offsets = {}, {}, {}
+    usage = []
+    for chunk in client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2, stream=True,
+            logprobs=1, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True}):
+        assert not usage, "the usage chunk is the last"
+        if chunk.usage is not None:
+            assert not chunk.choices
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+            offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+    assert texts == {0: ref[0], 1: ref[0], 2: ref[1], 3: ref[1]}
+    assert reasons == dict.fromkeys(range(4), "length")
+    for i, starts in offsets.items():  # each choice's own text offsets, from 0
+        assert starts[0] == 0 and starts == sorted(starts) and len(starts) == 5, (i, starts)
+    [u] = usage
+    assert u.prompt_tokens == sum(map(len, prompts)) and u.completion_tokens == 4 * 5
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=120, json={
+            "prompt": [PROMPT, "And the earth was"], "max_tokens": 3, "stream": True,
+            "temperature": 0, "ignore_eos": True}) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines.count("[DONE]") == 1 and lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert sorted(c["choices"][0]["index"] for c in chunks) == [0, 0, 0, 1, 1, 1]
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert no_blocks_held(server)
+
+
+def test_a_failed_prompt_ends_a_streamed_batch_and_frees_every_block(app, server, bundled):
+    """One prompt the engine fails (its detokenizer raises): the stream ends with an error
+    event and [DONE], the other prompt is aborted, every KV block is back: as the batch that is
+    not streamed answers 500 and aborts the rest. A client that hangs up frees them too."""
+    engine = app.state.server.engine.engine
+    poison = prompt_ids(bundled, "Selah selah selah")
+    make = engine.tokenizer.detokenizer
+
+    def detokenizer(prompt_ids=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        d = make(prompt_ids, *args, **kwargs)
+        if prompt_ids is not None and list(prompt_ids) == poison:
+            def add(token_id: int) -> str:
+                raise OverflowError("Overflow when unpacking long long")
+            d.add = add
+        return d
+
+    body = {"prompt": [prompt_ids(bundled), poison], "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    engine.tokenizer.detokenizer = detokenizer
+    aborted = metric(server, "request_aborted_total")
+    try:
+        with httpx.stream("POST", f"{server}/v1/completions", timeout=120,
+                          json={**body, "stream": True}) as r:
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        plain = post(server, "/v1/completions", body)
+    finally:
+        engine.tokenizer.detokenizer = make
+    assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+    error = json.loads(lines[-2])["error"]
+    assert error["type"] == "server_error" and "long long" not in error["message"]
+    texts = [json.loads(line)["choices"][0] for line in lines[:-2]]
+    assert all(c["index"] == 0 and c["finish_reason"] is None for c in texts)  # cut, not done
+    assert plain.status_code == 500 and plain.json()["error"]["code"] == "engine_error"
+    # the healthy prompt of each was aborted (it had hundreds of tokens to go), not finished
+    assert wait_for(lambda: metric(server, "request_aborted_total") >= aborted + 2)
+    assert no_blocks_held(server)
+    aborted = metric(server, "request_aborted_total")
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=120,
+                      json={**body, "prompt": [PROMPT, "And"], "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # hang up after the first chunk
+    assert wait_for(lambda: metric(server, "request_aborted_total") >= aborted + 2)
+    assert no_blocks_held(server)
+    ok = post(server, "/v1/completions", {"prompt": [PROMPT, "And"], "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
 @pytest.mark.parametrize(("prompt", "extra"), [
     ([5, 3072], {}), ([[5, 6], [7, 99999]], {}), ([[5, 6], []], {}),
-    ([[5, 6], [7, 8]], {"stream": True}), ([[5]] * 9, {}),
+    ([[5, 6], [7, 99999]], {"stream": True}), ([[5]] * 9, {}), ([[5]] * 9, {"stream": True}),
 ])
 def test_bad_token_id_prompts_are_400_and_free_everything(server, prompt, extra):
     r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 3, **extra})

@@ -16,6 +16,7 @@ from infer_lab.serve.limits import ServerLimits
 from infer_lab.serve.middleware import ApiKey, BodyLimit, CatchAll, ConcurrencyLimit
 from infer_lab.serve.routes import BODIES, router
 from infer_lab.serve.state import ServerState
+from infer_lab.serve.tool_formats import DEFAULT_TOOL_CALL_PARSER
 
 DESCRIPTION = (
     "An OpenAI-compatible server (completions, chat). A field that OpenAI or vLLM define and "
@@ -64,16 +65,20 @@ def build_app(
     body_timeout: float = 30.0,
     limits: ServerLimits | None = None,
     chat_template: str | None = None,
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
 ) -> FastAPI:
     """The HTTP face of an engine, started and stopped with the app. With ``api_key``, the
     ``/v1`` routes need it (and ``/metrics`` and the docs too when ``guard_all``); ``limits``
     bound what one request may cost (the defaults of :class:`ServerLimits` otherwise);
-    ``chat_template`` replaces the model's (a ``ValueError`` here if it does not parse)."""
+    ``chat_template`` replaces the model's (a ``ValueError`` here if it does not parse);
+    ``tool_call_parser`` names the format of "auto" tool calls (``hermes``, ``llama3_json``,
+    ``mistral``)."""
     app = FastAPI(title="infer_lab", version="0.1.0", lifespan=_lifespan,
                   description=DESCRIPTION)
     context = max_model_len or engine.engine.max_model_len
     app.state.server = ServerState(engine, model_name, context, limits or ServerLimits(),
-                                   chat_template=chat_template)
+                                   chat_template=chat_template,
+                                   tool_call_parser=tool_call_parser)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     install_handlers(app)
     app.include_router(router)

@@ -219,9 +219,11 @@ def full_response(shape: Shape, out: RequestOutput, base: int = 0) -> dict[str, 
     return shape.body(shape.object, choices, usage)
 
 
-def chunk_choice(shape: Shape, c: CompletionOutput, first: bool) -> dict[str, Any]:
-    """One choice of a streamed chunk: this step's text (and role, in a chat's first chunk)."""
-    lp = logprobs_of(shape, c.index, getattr(c, "delta_logprobs", None))
+def chunk_choice(shape: Shape, c: CompletionOutput, first: bool,
+                 base: int = 0) -> dict[str, Any]:
+    """One choice of a streamed chunk: this step's text (and role, in a chat's first chunk);
+    ``base``: the index of the request's first choice (a batch of prompts)."""
+    lp = logprobs_of(shape, base + c.index, getattr(c, "delta_logprobs", None))
     if shape.chat and shape.tools is not None and shape.tools.auto:
         return _auto_chunk(shape, c, first, lp)
     if shape.chat and shape.tools is not None:  # the call is sent whole, when it is complete
@@ -240,7 +242,7 @@ def chunk_choice(shape: Shape, c: CompletionOutput, first: bool) -> dict[str, An
             delta["role"] = "assistant"
         choice = {"index": c.index, "delta": delta}
     else:
-        choice = {"index": c.index, "text": c.delta_text}
+        choice = {"index": base + c.index, "text": c.delta_text}
     choice["logprobs"] = lp
     choice["finish_reason"] = c.finish_reason
     return choice

@@ -144,7 +144,7 @@ async def completions(request: Request, server: Server) -> Any:
     if kv is not None:
         raise APIError(400, "kv_transfer_params: one prompt per request, not a batch",
                        param="kv_transfer_params")
-    return await run_batch(request, server, shape, batch, params)
+    return await run_batch(request, server, shape, batch, params, body.stream)
 
 
 @router.post("/v1/chat/completions")
@@ -152,10 +152,11 @@ async def chat(request: Request, server: Server) -> Any:
     body = await parse_body(request, server, ChatCompletionRequest)
     kv = kv_params(request, body)
     check_request(server, body)
-    plan = refuse_unsupported(server, lambda: tool_plan(body))
+    plan = refuse_unsupported(server, lambda: tool_plan(body, server.tool_format))
     constraint = plan.constraint if plan else refuse_unsupported(server, body.constraint)
     in_template = server.renderer.reads_tools  # the template has a tools section
-    messages = refuse_unsupported(server, lambda: conversation(body.messages, in_template))
+    messages = refuse_unsupported(
+        server, lambda: conversation(body.messages, in_template, server.tool_format))
     messages, tools = tool_prompt(plan, messages, body.tools, in_template)
     server.engine.check_admission()
     ids = await server.encode_chat(messages, tools)
@@ -196,17 +197,13 @@ def check_request(server: ServerState, body: SamplingFields) -> None:
 
 def prompt_list(server: ServerState, body: CompletionRequest) -> list[str | list[int]]:
     """The prompts of ``body``: one (text or token ids) or a batch (a list of either). A batch
-    holds ``n`` batch slots per prompt, so ``n x prompts`` is bounded by ``--max-n``; it cannot
-    be streamed (send one request per prompt)."""
+    holds ``n`` batch slots per prompt, so ``n x prompts`` is bounded by ``--max-n``."""
     prompt = body.prompt
     batch = prompt if isinstance(prompt, list) and prompt and isinstance(
         prompt[0], (str, list)) else [prompt]
     if any(not p for p in batch):
         raise APIError(400, "the prompt is empty", param="prompt")
     if len(batch) > 1:
-        if body.stream:
-            raise APIError(400, "a batch of prompts cannot be streamed: send one request per "
-                           "prompt", param="prompt")
         most = server.limits.max_n
         if body.n * len(batch) > most:
             raise server.refuse("n", f"prompt: n x prompts is {body.n * len(batch)}; at most "
@@ -318,9 +315,10 @@ async def run(request: Request, server: ServerState, shape: Shape, ids: list[int
 
 
 async def run_batch(request: Request, server: ServerState, shape: Shape,
-                    batch: list[list[int]], params: SamplingParams) -> Any:
+                    batch: list[list[int]], params: SamplingParams, stream: bool = False) -> Any:
     """A batch of prompts: one engine request each, all admitted before any answer; the
-    choices of prompt ``i`` are ``i * n ...``. If one fails, the others are aborted."""
+    choices of prompt ``i`` are ``i * n ...``. If one fails, the others are aborted (streamed:
+    after an error event, then ``[DONE]``)."""
     ids = [f"{shape.request_id}-{i}" for i in range(len(batch))]
     added: list[str] = []
     try:
@@ -333,6 +331,11 @@ async def run_batch(request: Request, server: ServerState, shape: Shape,
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param="prompt") from e
             added.append(request_id)
+        if stream:
+            return StreamingResponse(
+                batch_events(server, shape, ids, collectors, params.n),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         finals = await asyncio.gather(*(wait_final(request, server, i, c)
                                         for i, c in zip(ids, collectors)))
     except BaseException:
@@ -439,12 +442,56 @@ async def stream_events(server: ServerState, shape: Shape, outputs: RequestOutpu
     yield DONE
 
 
-def _events(shape: Shape, out: RequestOutput, sent_role: list[bool]) -> list[str]:
+async def batch_events(server: ServerState, shape: Shape, ids: list[str],
+                       collectors: list[RequestOutputCollector], n: int) -> AsyncIterator[str]:
+    """A streamed batch of prompts, as OpenAI and vLLM send it: each prompt's chunks as they
+    come, their choices numbered ``i * n ...`` for prompt ``i``, the usage of all of them in a
+    last chunk if asked, one ``[DONE]``. A prompt that fails ends the stream with an error
+    event (the others are aborted), as a failure ends the batch that is not streamed."""
+    finals: dict[int, RequestOutput] = {}
+    waiting = {asyncio.ensure_future(c.get()): i for i, c in enumerate(collectors)}
+    sent_role = [False] * (n * len(ids))
+    failed = False
+    try:
+        while waiting and not failed:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for got in sorted(done, key=waiting.get):  # one step's chunks in prompt order
+                i = waiting.pop(got)
+                item = got.result()
+                if (error := failure(server, item)) is not None:
+                    yield sse(error.body)
+                    failed = True
+                    break
+                for event in _events(shape, item, sent_role, base=i * n):
+                    yield event
+                if item.finished:
+                    finals[i] = item
+                else:
+                    waiting[asyncio.ensure_future(collectors[i].get())] = i
+        if not failed and shape.usage:
+            total = [usage_of(finals[i]) for i in range(len(ids))]
+            yield sse(shape.body(chunk_object(shape), [], {
+                key: sum(u[key] for u in total) for key in total[0]}))
+    except Exception:  # a bug in building an event: this stream's alone
+        log.exception("request %s: building its stream failed", shape.request_id)
+        yield sse(APIError(500, "the server failed on this request", "server_error").body)
+    finally:
+        for got in waiting:
+            got.cancel()
+        for i, request_id in enumerate(ids):  # failed, hung up or cancelled: free the blocks
+            if i not in finals:
+                server.engine.abort(request_id)
+    yield DONE
+
+
+def _events(shape: Shape, out: RequestOutput, sent_role: list[bool],
+            base: int = 0) -> list[str]:
+    """The chunks of one output; ``base``: the index of its first choice (a batch)."""
     events = []
     for c in out.outputs:
         if not c.delta_token_ids and not c.delta_text and not c.finish_reason:
             continue
-        choice = chunk_choice(shape, c, not sent_role[c.index])
-        sent_role[c.index] = True
+        choice = chunk_choice(shape, c, not sent_role[base + c.index], base)
+        sent_role[base + c.index] = True
         events.append(sse(shape.body(chunk_object(shape), [choice])))
     return events

@@ -31,6 +31,7 @@ from infer_lab.serve.async_engine import AsyncEngine
 from infer_lab.serve.limits import ServerLimits
 from infer_lab.serve.metrics import ServerMetrics
 from infer_lab.serve.protocol import error_body
+from infer_lab.serve.tool_formats import DEFAULT_TOOL_CALL_PARSER, call_format
 
 log = logging.getLogger("infer_lab.serve")
 
@@ -61,13 +62,16 @@ def make_app(
     vllm_metric_names: bool = False,
     limits: ServerLimits | None = None,
     chat_template: str | None = None,
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
     **engine_args: Any,
 ) -> FastAPI:
     """An app serving ``model`` (the bundled one by default) with one :class:`EngineConfig`
     (``config``, with ``engine_args`` replacing its fields), the request limits ``limits``
-    and ``chat_template`` (a template's text) in place of the model's, checked first."""
+    and ``chat_template`` (a template's text) in place of the model's, checked first, as is
+    ``tool_call_parser`` (the format of "auto" tool calls)."""
     if chat_template is not None:
         check_chat_template(chat_template)  # before the model loads: a startup error
+    call_format(tool_call_parser)
     path = resolve_model_path(model)
     name = model_id(model, path, served_model_name)
     config = EngineConfig.from_kwargs(config, **engine_args)
@@ -79,7 +83,7 @@ def make_app(
                          max_inflight_tokens=limits.max_inflight_tokens)
     return build_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes,
                      guard_all=api_key_all_routes, body_timeout=body_timeout, limits=limits,
-                     chat_template=chat_template)
+                     chat_template=chat_template, tool_call_parser=tool_call_parser)
 
 
 def load_engine(path: Path, config: EngineConfig, *, device: str | None = None,

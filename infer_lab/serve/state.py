@@ -25,6 +25,7 @@ from infer_lab.serve.async_engine import AsyncEngine
 from infer_lab.serve.errors import APIError, unavailable
 from infer_lab.serve.limits import ServerLimits
 from infer_lab.serve.template import TemplateRenderer
+from infer_lab.serve.tool_formats import DEFAULT_TOOL_CALL_PARSER, CallFormat, call_format
 
 # A token never stands for more bytes of input than its own spelling has (in UTF-8) in any
 # tokenizer we load; a normalizer may shrink the input a little (NFKC), hence the slack.
@@ -50,12 +51,14 @@ class ServerState:
     max_concurrency: int | None = None  # requests in the app at once (set by make_server)
     compiles: int = 0  # grammar compilations running or queued
     chat_template: str | None = None  # --chat-template: replaces the model's for every request
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # --tool-call-parser: how calls are written
 
     def __post_init__(self) -> None:
         if not self.max_prompt_bytes:
             vocab = self.tokenizer.backend.get_vocab()
             longest = max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
             self.max_prompt_bytes = self.context * max(1, longest) * _NORMALIZER_SLACK
+        self.tool_format: CallFormat = call_format(self.tool_call_parser)
         self.engine.engine.structured.limits = self.limits.grammar_limits()
         self.renderer = TemplateRenderer(self.tokenizer, timeout=self.limits.template_timeout,
                                          max_bytes=self.max_prompt_bytes,

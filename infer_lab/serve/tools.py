@@ -3,18 +3,19 @@
 - ``tool_choice`` "required" or a named function: the output must be a JSON call (a JSON Schema
   the grammar enforces), and becomes OpenAI's ``tool_calls``.
 - ``tool_choice`` "auto" (the default with tools): the model writes free text and decides for
-  itself whether to call. A call is written in the documented default format (Hermes / Qwen
-  style, described to the model in a system message)::
+  itself whether to call. A call is written in the format of ``--tool-call-parser`` (vLLM's
+  flag and names: ``hermes``, the default, ``llama3_json`` or ``mistral``; see
+  :mod:`infer_lab.serve.tool_formats`), e.g. Hermes / Qwen's::
 
       <tool_call>
       {"name": "get_weather", "arguments": {"city": "Paris"}}
       </tool_call>
 
-  The constraint is an XGrammar *structural tag* with ``<tool_call>`` as its trigger: text is
-  free until the model writes the trigger; from there the grammar allows only the begin string
-  of an offered function, then JSON valid for that function's parameters, then the end. So a
-  started call is always a valid call of an offered tool (an unknown tool cannot be written),
-  and ``parallel_tool_calls: false`` ends the output after the first call. The server splits
+  The constraint is an XGrammar *structural tag* with the format's marker as its trigger: text
+  is free until the model writes the trigger; from there the grammar allows only the begin
+  string of an offered function, then JSON valid for that function's parameters, then the end.
+  So a started call is always a valid call of an offered tool (an unknown tool cannot be
+  written), and ``parallel_tool_calls: false`` allows one call only. The server splits
   the output into the text outside calls (``content``) and the calls (``tool_calls``,
   ``finish_reason: "tool_calls"``); a stream holds back any text that may be the start of a
   call, so the markup never reaches the client (:class:`ToolStream`). A call cut off by
@@ -28,10 +29,8 @@ format it was trained on. Otherwise the server's default tool prompt
 (:meth:`ToolPlan.with_system`, this module) lists them in the system message and, for "auto",
 spells out the call format above. An assistant's earlier ``tool_calls`` reach the first kind
 of template as a field and the second as text in that format (:func:`conversation`). Either way
-the calls are parsed in that one format (Hermes / Qwen style): a template that teaches another
-format (Llama 3's bare JSON, Mistral's ``[TOOL_CALLS]``) still gets its "auto" calls only
-through the ``<tool_call>`` trigger, since the server has no per-family parser (vLLM's
-``--tool-call-parser``).
+the calls are constrained and parsed in the one format ``--tool-call-parser`` names: pick the
+one the model's template teaches (as with vLLM, the server does not guess it).
 """
 
 from __future__ import annotations
@@ -43,16 +42,11 @@ from typing import Any
 
 from infer_lab.engine.structured import StructuredOutputsParams
 from infer_lab.serve.protocol import ChatCompletionRequest, ChatMessage, UnsupportedField
+from infer_lab.serve.tool_formats import FORMATS, CallFormat
 
 _TOOL_SHAPE = "a tool is {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
-TRIGGER = "<tool_call>"
-END = "}\n</tool_call>"
-
-
-def call_begin(name: str) -> str:
-    """What a call of ``name`` starts with in the default format (then its arguments)."""
-    return f'{TRIGGER}\n{{"name": "{name}", "arguments": '
+HERMES = FORMATS["hermes"]
 
 
 @dataclass
@@ -64,15 +58,14 @@ class ToolPlan:
     constraint: StructuredOutputsParams
     functions: dict[str, dict[str, Any]]
     auto: bool = False  # the model chooses between text and calls (tool_choice "auto")
+    format: CallFormat = HERMES  # how "auto" calls are written (--tool-call-parser)
 
     def with_system(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation with the functions described in its system message (the server's
         default tool prompt)."""
         offered = json.dumps([{"name": n, "parameters": p} for n, p in self.functions.items()])
         if self.auto:
-            what = ("To call one, write <tool_call>, a newline, "
-                    '{"name": <function name>, "arguments": <arguments as JSON>}, a newline and '
-                    "</tool_call>. Otherwise answer in text.")
+            what = self.format.teach()
         elif self.name:
             what = f"Call the function {self.name} by replying with its arguments as JSON."
         else:
@@ -101,50 +94,10 @@ class ToolPlan:
     def split(self, text: str, finished: bool) -> tuple[str, list[dict[str, str]], int]:
         """An "auto" output as (the text outside calls, the complete calls as
         ``{"name", "arguments"}``, where the text shown so far must stop). Text from a call
-        not yet complete, or (``finished`` False) from a trailing prefix of the trigger, is
+        not yet complete, or (``finished`` False) from a trailing prefix of a marker, is
         held back; a finished output's unfinished call is dropped."""
-        content, calls, at = [], [], 0
-        while True:
-            start = text.find(TRIGGER, at)
-            if start < 0:
-                break
-            call, end = _parse_call(text, start)
-            if call is None:  # not complete (yet): nothing from here is text
-                content.append(text[at:start])
-                return "".join(content), calls, len(text)
-            content.append(text[at:start])
-            calls.append(call)
-            at = end
-        tail = text[at:]
-        if not finished:
-            tail = tail[: len(tail) - _trigger_prefix(tail)]
-        content.append(tail)
-        return "".join(content), calls, len(text)
-
-
-def _parse_call(text: str, start: int) -> tuple[dict[str, str] | None, int]:
-    """The call written at ``start`` (the trigger) and where it ends; None if incomplete."""
-    head = text[start + len(TRIGGER):]
-    m = re.match(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ', head)
-    if m is None:
-        return None, start
-    at = start + len(TRIGGER) + m.end()
-    try:
-        arguments, stop = json.JSONDecoder().raw_decode(text, at)
-    except ValueError:
-        return None, start
-    if not text.startswith(END, stop):
-        return None, start
-    return ({"name": m.group(1), "arguments": json.dumps(arguments, ensure_ascii=False)},
-            stop + len(END))
-
-
-def _trigger_prefix(text: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of the trigger."""
-    for k in range(min(len(text), len(TRIGGER) - 1), 0, -1):
-        if TRIGGER.startswith(text[-k:]):
-            return k
-    return 0
+        content, calls = self.format.split(text, finished)
+        return content, calls, len(text)
 
 
 @dataclass
@@ -176,7 +129,8 @@ class ToolStream:
 _PAST_CALL = "a tool call is {'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
 
 
-def conversation(messages: list[ChatMessage], template_reads_tools: bool) -> list[dict[str, Any]]:
+def conversation(messages: list[ChatMessage], template_reads_tools: bool,
+                 fmt: CallFormat = HERMES) -> list[dict[str, Any]]:
     """The messages for the chat template. An assistant's earlier ``tool_calls`` reach a
     template with a tools section as a field, the arguments parsed into objects (what
     ``transformers``' templates expect; vLLM does the same), and a tool result keeps its
@@ -191,10 +145,8 @@ def conversation(messages: list[ChatMessage], template_reads_tools: bool) -> lis
             if template_reads_tools:
                 message["tool_calls"] = calls
             else:
-                message["content"] += "".join(
-                    call_begin(c["function"]["name"])
-                    + json.dumps(c["function"]["arguments"], ensure_ascii=False) + END
-                    for c in calls)
+                message["content"] += fmt.write(
+                    [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
         if m.role == "tool" and isinstance(extra.get("tool_call_id"), str):
             message["tool_call_id"] = _plain(extra["tool_call_id"], f"messages[{i}].tool_call_id")
         out.append(message)
@@ -265,8 +217,9 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return functions
 
 
-def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
-    """The plan for ``body``'s tools, None if it has none (or ``tool_choice: "none"``)."""
+def tool_plan(body: ChatCompletionRequest, fmt: CallFormat = HERMES) -> ToolPlan | None:
+    """The plan for ``body``'s tools, None if it has none (or ``tool_choice: "none"``);
+    "auto" calls are written in ``fmt``."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -278,7 +231,7 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         raise UnsupportedField("response_format", "cannot be combined with tools")
     functions = _functions(body.tools)
     if choice in (None, "auto"):
-        return auto_plan(functions, body.parallel_tool_calls is not False)
+        return auto_plan(functions, body.parallel_tool_calls is not False, fmt)
     if choice == "required":
         schema = {"anyOf": [{"type": "object", "properties": {
             "name": {"const": n}, "arguments": p}, "required": ["name", "arguments"],
@@ -294,13 +247,10 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
     return ToolPlan(fn["name"], StructuredOutputsParams(json=functions[fn["name"]]), functions)
 
 
-def auto_plan(functions: dict[str, dict[str, Any]], parallel: bool) -> ToolPlan:
-    """``tool_choice: "auto"``: free text, and calls in the default format whose begin string
-    names an offered function and whose arguments follow its schema (a structural tag)."""
-    tags = [{"type": "tag", "begin": call_begin(name),
-             "content": {"type": "json_schema", "json_schema": schema}, "end": END}
-            for name, schema in functions.items()]
-    tag = {"type": "structural_tag", "format": {
-        "type": "triggered_tags", "triggers": [TRIGGER], "tags": tags,
-        "at_least_one": False, "stop_after_first": not parallel}}
-    return ToolPlan(None, StructuredOutputsParams(structural_tag=tag), functions, auto=True)
+def auto_plan(functions: dict[str, dict[str, Any]], parallel: bool,
+              fmt: CallFormat = HERMES) -> ToolPlan:
+    """``tool_choice: "auto"``: free text, and calls in ``fmt`` whose begin string names an
+    offered function and whose arguments follow its schema (a structural tag)."""
+    tag = {"type": "structural_tag", "format": fmt.structural_tag(functions, parallel)}
+    return ToolPlan(None, StructuredOutputsParams(structural_tag=tag), functions, auto=True,
+                    format=fmt)
