@@ -22,7 +22,9 @@ What goes wrong costs a recompute or a clear error, never wrong tokens: malforme
 unreachable, dead or refusing peer (blocks freed by timeout, ids of another request) is a local
 recompute with a warning (``--kv-on-failure error`` makes it a 502 instead); received blocks
 whose keys are not this prompt's own are not used. A worker without a KV role refuses
-``kv_transfer_params`` (400). The shared token comes from ``INFER_LAB_KV_TOKEN`` (not argv).
+``kv_transfer_params`` (400), and so does a prefill worker asked to stream the first stage
+(vLLM takes it, but sends the params only in a non-streaming answer: they would be lost). The
+shared token comes from ``INFER_LAB_KV_TOKEN`` (not argv).
 """
 
 from __future__ import annotations
@@ -244,7 +246,13 @@ def kv_params(request: Request, body: SamplingFields) -> KVParams | None:
         if not cfg.produces:
             raise _bad("do_remote_decode: this worker is not a prefill worker")
         if getattr(body, "stream", False):
-            raise _bad("do_remote_decode: a prefill for a remote decode cannot stream")
+            # vLLM accepts a streamed prefill but no stream chunk carries kv_transfer_params
+            # (only its non-streaming responses do: ``request_output_to_completion_response``
+            # and ``chat_completion_full_generator``), so the caller never learns the blocks'
+            # ids and they sit pinned until the timeout. Refused here instead, by name.
+            raise _bad("do_remote_decode: a prefill for a remote decode cannot stream (its "
+                       "answer, kv_transfer_params, is sent whole: use stream=false, as "
+                       "vllm-router does)")
         if extra.get("min_tokens") in (0, 1):
             extra.pop("min_tokens")
     if params.remote_prefill:
