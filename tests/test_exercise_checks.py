@@ -806,8 +806,10 @@ def test_ch13_checks_fail_on_wrong_answers_and_pass_the_solutions(ch13, capsys):
     per_token = 2 * 30 * 3 * 64 * 4
     cases = [  # wrong: K only, bf16, query heads (9) instead of KV heads
         ("check_1", per_token, [per_token // 2, per_token // 2, 2 * 30 * 9 * 64 * 4]),
-        # ... blocks rounded up, tokens instead of blocks
-        ("check_2", 6, [7, 96]),
+        # ... full blocks only, the tokens' bytes without the partial block's empty slots,
+        # the last token's K/V sent too (the same 7 blocks here: its bytes, not its block)
+        ("check_2", 7 * 16 * per_token, [6 * 16 * per_token, 99 * per_token,
+                                         100 * per_token]),
         # ... forgot the fixed cost, one token's bytes, the read time itself
         ("check_3", 1000 - (20 + 16 * per_token / 2e9 * 1e6),
          [1000 - 16 * per_token / 2e9 * 1e6, 1000 - (20 + per_token / 2e9 * 1e6),

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from infer_lab.cache.block_pool import block_key
-from infer_lab.cache.kv_tier import _HEADER, KVByteStore
+from infer_lab.cache.kv_tier import _HEADER, KVByteStore, block_nbytes
 from infer_lab.engine import LLMEngine, SamplingParams
 from infer_lab.engine.kv_connector import attach_kv_tier
 from tests.engine_fixtures import assert_no_leak, tiny_model
@@ -122,6 +122,30 @@ def test_reloaded_prefix_gives_identical_greedy_outputs(loaded, tmp_path, block_
     assert engine.kv.prefix_hits == tier.reloaded_blocks * block_size
     assert tier.store.stats.corrupt == 0
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3_scaled"])
+def test_an_8bit_cache_reloads_its_codes_and_their_scales(loaded, tmp_path, kv_cache_dtype):
+    """An 8-bit cache keeps a scale per token and head beside the codes: a block's bytes are
+    both, and a reloaded block gives the same greedy tokens as the block never evicted."""
+    model, tok = loaded
+    prompts = workload(2)
+    kw = dict(num_kv_blocks=12, block_size=16, max_num_seqs=2, kv_cache_dtype=kv_cache_dtype)
+    plain = LLMEngine(model, tok, **kw)
+    expected = run(plain, prompts)
+    assert plain.kv.prefix_hits == 0  # the small pool forgot the conversation
+    engine = LLMEngine(model, tok, **kw)
+    cache = engine.runner.cache
+    codes = cache.kv[:, :, 0].numel() * cache.kv.element_size()
+    scales = cache.scales[:, :, 0].numel() * cache.scales.element_size()
+    assert block_nbytes(cache) == codes + scales  # the scales travel with the codes
+    tier = attach_kv_tier(engine, tmp_path, capacity_bytes=64 << 20)
+    assert run(engine, prompts) == expected
+    assert tier.reloaded_blocks == 80 // 16 and engine.kv.prefix_hits == 80
+    assert_no_leak(engine)
+    # another cache format is another namespace: the int8 files are not read as fp32 K/V
+    other = LLMEngine(model, tok, num_kv_blocks=12, block_size=16, max_num_seqs=2)
+    assert attach_kv_tier(other, tmp_path, 64 << 20).store.dir != tier.store.dir
 
 
 def test_corrupted_tier_files_are_recomputed_not_read(loaded, tmp_path):

@@ -1,5 +1,6 @@
 """Chapter 13's KV transfer: blocks pulled over TCP by request and block id into another
-engine's pool, the receiver computing only what is missing; and what the endpoint refuses."""
+engine's pool (the full blocks and the partial last one), the receiver computing only what is
+missing; and what the endpoint refuses."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 import pytest
 
 from infer_lab.engine import LLMEngine, SamplingParams
-from infer_lab.engine.kv_connector import engine_namespace, inject_blocks
+from infer_lab.engine.kv_connector import engine_namespace, inject_blocks, stage_partial_block
+from infer_lab.engine.kv_partial import PartialBlock
 from infer_lab.engine.kv_transfer import (
     KVTransferError,
     KVTransferServer,
@@ -55,27 +57,88 @@ def pair(loaded):
     server.close()
 
 
-@pytest.mark.parametrize("length", [15, 16, 40, 100])
-def test_pulled_blocks_give_the_same_tokens_and_only_the_rest_is_computed(loaded, pair, length):
+@pytest.mark.parametrize("length", [15, 16, 17, 40, 100])
+def test_pulled_blocks_give_the_same_tokens_and_only_the_last_token_is_computed(loaded, pair,
+                                                                               length):
     sender, receiver, server = pair
     p = prompt(length, seed=length)
     reference = generate(LLMEngine(loaded[0], loaded[1], num_kv_blocks=24), "ref", p, 8)
-    generate(sender, "req", p, 1)  # the prefill: max_tokens=1
-    pinned = server.register("req", p)
-    assert len(pinned.block_ids) == (length - 1) // 16  # full blocks, not the last token's
+    server.expect("req")
+    generate(sender, "req", p, 1)  # the prefill (max_tokens=1): held as it finishes
+    pinned = server.pinned("req")
+    full, rest = divmod(length - 1, 16)  # every prompt token but the last has its K/V there
+    assert len(pinned.keys) == full and pinned.tail == p[full * 16 : length - 1]
+    assert len(pinned.block_ids) == full + (rest > 0)  # the partial last block too
     assert sender.kv.num_free_blocks == 24 - len(pinned.block_ids)
     received = pull_blocks(server.host, server.port, TOKEN, "req", pinned.block_ids,
                            engine_namespace(receiver))
-    assert [k for k, _ in received] == pinned.keys
+    assert [k for k, _ in received.blocks] == pinned.keys
+    assert (received.tail is not None) == (rest > 0)
     assert release_blocks(server.host, server.port, TOKEN, "req")
     server.poll()
     assert_no_leak(sender)  # released: the sender's pool is whole again
     # occupy some of the receiver's blocks first, so its block ids differ from the sender's
-    receiver.kv.pool.get_new_blocks(3)
-    assert inject_blocks(receiver, p, received) == (length - 1) // 16
+    taken = receiver.kv.pool.get_new_blocks(3)
+    assert inject_blocks(receiver, p, received.blocks) == full
+    if rest:
+        assert stage_partial_block(receiver, "req", p, full, received.tail) == rest
     assert generate(receiver, "req", p, 8) == reference
-    assert receiver.kv.prefix_hits == (length - 1) // 16 * 16  # computed only the rest
+    assert receiver.kv.prefix_hits == length - 1  # computed only the last prompt token
     assert receiver.kv.num_free_blocks == 17 - 3
+    assert not receiver.kv.partial  # the partial block was written and forgotten
+    receiver.kv.pool.free_blocks(taken)
+    assert_no_leak(receiver)
+
+
+def test_a_partial_block_is_taken_only_for_its_own_tokens_after_its_own_prefix(loaded, pair):
+    """A partial block has no key: it is matched by its tokens, right after the full blocks
+    its parent key names. Anything else is not taken, and the tokens stay right."""
+    sender, receiver, server = pair
+    p = prompt(40, seed=7)  # 2 full blocks and 7 tokens
+    server.expect("r")
+    generate(sender, "r", p, 1)
+    got = pull_blocks(server.host, server.port, TOKEN, "r", server.pinned("r").block_ids,
+                      engine_namespace(receiver))
+    release_blocks(server.host, server.port, TOKEN, "r")
+    server.poll()
+    tail = got.tail
+    assert tail is not None and tail.tokens == p[32:39] and tail.parent == got.blocks[-1][0]
+    other = p[:35] + [(t % 380) + 3 for t in p[35:38]] + p[38:]  # differs inside the tail
+    assert stage_partial_block(receiver, "x", other, 2, tail) == 0
+    wrong_parent = PartialBlock(tail.tokens, got.blocks[0][0], tail.payload)
+    assert stage_partial_block(receiver, "x", p, 2, wrong_parent) == 0
+    assert stage_partial_block(receiver, "x", p, 1, tail) == 0  # not after block 2
+    assert stage_partial_block(receiver, "x", p[:39], 2, tail) == 0  # would cover the last
+    short = PartialBlock(tail.tokens, tail.parent, tail.payload[:-1])
+    assert stage_partial_block(receiver, "x", p, 2, short) == 0
+    assert not receiver.kv.partial
+    # staged for one request, a request of other tokens under that id does not take it
+    assert stage_partial_block(receiver, "y", p, 2, tail) == 7
+    inject_blocks(receiver, p, got.blocks)
+    reference = generate(LLMEngine(loaded[0], loaded[1], num_kv_blocks=24), "ref", other, 6)
+    assert generate(receiver, "y", other, 6) == reference
+    assert receiver.kv.prefix_hits == 32  # the full blocks the prompts share, not the tail
+    assert not receiver.kv.partial  # its request ended: dropped
+    assert_no_leak(receiver)
+    assert_no_leak(sender)
+
+
+def test_a_prompt_that_ran_before_is_held_by_key_without_its_partial_block(loaded, pair):
+    sender, receiver, server = pair
+    p = prompt(40, seed=8)
+    generate(sender, "late", p, 1)  # not expected: the partial block is gone when it ends
+    pinned = server.register("late", p)
+    assert len(pinned.block_ids) == 2 and not pinned.tail
+    received = pull_blocks(server.host, server.port, TOKEN, "late", pinned.block_ids,
+                           engine_namespace(receiver))
+    assert received.tail is None
+    assert inject_blocks(receiver, p, received.blocks) == 2
+    reference = generate(LLMEngine(loaded[0], loaded[1], num_kv_blocks=24), "ref", p, 4)
+    assert generate(receiver, "late", p, 4) == reference
+    assert receiver.kv.prefix_hits == 32
+    server.close()
+    server.poll()
+    assert_no_leak(sender)
 
 
 def test_the_endpoint_refuses_what_is_not_the_named_requests(pair):
@@ -100,7 +163,7 @@ def test_the_endpoint_refuses_what_is_not_the_named_requests(pair):
         pull_blocks(*args, TOKEN, "a", ["0"], ns)  # type: ignore[list-item]
     assert server.refusals >= 5
     # a receiver never takes blocks named for other tokens
-    assert inject_blocks(receiver, a, pull_blocks(*args, TOKEN, "b", pb.block_ids, ns)) == 0
+    assert inject_blocks(receiver, a, pull_blocks(*args, TOKEN, "b", pb.block_ids, ns).blocks) == 0
     assert_no_leak(receiver)
     for r in ("a", "b"):
         assert release_blocks(*args, TOKEN, r)

@@ -91,3 +91,31 @@ def test_the_flags_give_the_engine_a_tier_and_a_role(tmp_path, monkeypatch):
     endpoint = other.state.kv_disagg.endpoint
     assert endpoint.host == "127.0.0.1" and endpoint.port > 0  # loopback by default
     other.state.kv_disagg.close()
+
+
+def test_a_prefill_worker_refuses_a_streamed_first_stage_and_answers_a_whole_one(monkeypatch):
+    """vLLM sends ``kv_transfer_params`` only in a non-streaming answer; a streamed first stage
+    would lose them (and leave the blocks pinned), so it is a 400 naming the field."""
+    import argparse
+
+    from infer_lab.serve.disagg import install_kv
+
+    parser = argparse.ArgumentParser()
+    add_kv_arguments(parser)
+    monkeypatch.setenv("INFER_LAB_KV_TOKEN", "t")
+    app = make_app(None, device="cpu", num_kv_blocks=32, max_num_seqs=4)
+    install_kv(app, parser.parse_args(["--kv-role", "prefill"]))
+    first = {"prompt": "In the beginning God created the heaven and the earth.",
+             "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    try:
+        with running(app) as base:
+            r = httpx.post(f"{base}/v1/completions", timeout=60, json={**first, "stream": True})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+            assert "cannot stream" in r.json()["error"]["message"]
+            ok = httpx.post(f"{base}/v1/completions", timeout=60, json=first)
+            assert ok.status_code == 200
+            params = ok.json()["kv_transfer_params"]
+            prompt_tokens = ok.json()["usage"]["prompt_tokens"]
+            assert len(params["remote_block_ids"]) == -(-(prompt_tokens - 1) // 16)
+    finally:
+        app.state.kv_disagg.close()

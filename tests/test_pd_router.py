@@ -100,15 +100,17 @@ def blocks_back(*servers: ServerProcess) -> bool:
 
 
 def check_router_pd_tokens_equal_colocated(cluster) -> None:
-    hits_before = metric(cluster["decode"].base, "prefix_cache_hits_total")
     for i, n in enumerate((1, 3)):
         prompt = f"{i}. " + TEXT * n
         want = completion(cluster["colocated"], prompt)["choices"][0]["text"]
+        hits_before = metric(cluster["decode"].base, "prefix_cache_hits_total")
         got = completion(cluster["router"], prompt)
         assert got["choices"][0]["text"] == want
         assert "kv_transfer_params" not in got  # the router answers with the decode's body
-    # the decode worker computed only what it did not receive
-    assert metric(cluster["decode"].base, "prefix_cache_hits_total") > hits_before
+        # the decode worker received every prompt token's K/V but the last (the full blocks
+        # and the partial last one) and computed only that one
+        hits = metric(cluster["decode"].base, "prefix_cache_hits_total") - hits_before
+        assert hits == got["usage"]["prompt_tokens"] - 1
     chat = {"messages": [{"role": "user", "content": TEXT}], **GREEDY}
     want = post(cluster["colocated"], "/v1/chat/completions", chat).json()
     got = post(cluster["router"], "/v1/chat/completions", chat).json()
@@ -130,7 +132,9 @@ def prefill_params(cluster, prompt: str) -> dict:
                                           "remote_host": None, "remote_port": None})
     params = body["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["remote_port"] == cluster["kv_port"]
-    assert params["remote_block_ids"] and params["tp_size"] == 1
+    assert params["tp_size"] == 1
+    # the blocks of every prompt token but the last, the partial last block included
+    assert len(params["remote_block_ids"]) == -(-(body["usage"]["prompt_tokens"] - 1) // 16)
     return params
 
 

@@ -23,6 +23,7 @@ and the executor performs them before the next forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ from infer_lab.utils import cdiv
 
 if TYPE_CHECKING:
     from infer_lab.cache.kv_tier import KVTier
+    from infer_lab.engine.kv_partial import ReceivedPartialBlocks
 
 
 class KVCacheManager:
@@ -54,6 +56,11 @@ class KVCacheManager:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
         self.tier: KVTier | None = None  # Chapter 13's second tier (``attach_kv_tier``)
+        # Chapter 13's transfer: partial last prompt blocks received from another engine
+        # (``stage_partial_block``), and a hook that sees a finished sequence before its blocks
+        # go back (a prefill worker holds them for the decode worker: ``KVTransferServer``).
+        self.partial: ReceivedPartialBlocks | None = None
+        self.on_finished: Callable[[Sequence], None] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -95,8 +102,8 @@ class KVCacheManager:
         At least one token is always left to compute: the forward that follows must produce the
         logits of the last token.
         """
-        if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
-            return []  # prompt log-probabilities need every prompt position's logits (vLLM)
+        if not self._may_reuse(seq):
+            return []
         upto = (seq.num_tokens - 1) // self.block_size
         blocks = []
         for key in self.block_keys(seq, upto):
@@ -110,21 +117,42 @@ class KVCacheManager:
         self.prefix_hits += len(blocks) * self.block_size
         return blocks
 
+    def get_computed_tokens(self, seq: Sequence) -> tuple[list[int], int]:
+        """:meth:`get_computed_blocks`, and how many tokens they hold (vLLM's pair): more than
+        theirs when a partial block received from another engine for this request follows them
+        (Chapter 13). That block is not among those returned: :meth:`allocate_slots` writes it
+        into the fresh block it takes for its tokens."""
+        blocks = self.get_computed_blocks(seq)
+        num = len(blocks) * self.block_size
+        if self.partial is not None and self._may_reuse(seq):
+            extra = self.partial.match(seq, len(blocks))
+            self.prefix_hits += extra
+            num += extra
+        return blocks, num
+
+    def _may_reuse(self, seq: Sequence) -> bool:
+        # prompt log-probabilities need every prompt position's logits (vLLM recomputes too)
+        return self.enable_prefix_caching and seq.request.params.prompt_logprobs is None
+
     # ------------------------------------------------------------------ changes
     def allocate_slots(
-        self, seq: Sequence, num_new: int, computed_blocks: Seq[int] = (), reserve: int = 0
+        self, seq: Sequence, num_new: int, computed_blocks: Seq[int] = (), reserve: int = 0,
+        num_computed: int | None = None,
     ) -> bool:
         """Make ``seq``'s block table cover its computed tokens plus ``num_new`` more.
 
         ``computed_blocks`` (only for a sequence holding no blocks) are prefix-cache blocks that
-        become the table's first blocks. Returns False, changing nothing, when the free blocks
-        (less ``reserve``) do not suffice.
+        become the table's first blocks; ``num_computed`` (from :meth:`get_computed_tokens`) is
+        the tokens they hold, more than theirs when a received partial block follows them (it is
+        written into the first fresh block here). Returns False, changing nothing, when the free
+        blocks (less ``reserve``) do not suffice.
         """
         table, block_size, pool = seq.block_table, self.block_size, self.pool
-        if computed_blocks:
+        if computed_blocks or num_computed:
             if table:
                 raise ValueError("computed prefix blocks can only start an empty block table")
-            computed = len(computed_blocks) * block_size
+            computed = (len(computed_blocks) * block_size if num_computed is None
+                        else num_computed)
             revive = sum(1 for b in computed_blocks if pool.ref_count(b) == 0)
         else:
             computed, revive = seq.num_computed, 0
@@ -144,10 +172,21 @@ class KVCacheManager:
         seq.shared_tail = False
         if fresh > 0:
             table += pool.get_new_blocks(fresh)
+        if num_computed and num_computed > len(computed_blocks) * block_size:
+            assert self.partial is not None  # only a received partial block adds tokens
+            self.partial.load(seq, table[len(computed_blocks)])
         return True
+
+    def free_finished(self, seq: Sequence) -> None:
+        """:meth:`free` for a sequence that finished normally, shown to ``on_finished`` first."""
+        if self.on_finished is not None:
+            self.on_finished(seq)
+        self.free(seq)
 
     def free(self, seq: Sequence) -> None:
         """Give back ``seq``'s blocks, last first (so a shared prefix stays cached longest)."""
+        if self.partial is not None:
+            self.partial.discard(seq.request.request_id)
         self.pool.free_blocks(reversed(seq.block_table))
         seq.block_table = []
         seq.num_cached_blocks = 0

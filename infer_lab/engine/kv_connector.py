@@ -3,10 +3,14 @@
 Both plug into the engine from outside, the way vLLM's KV connectors sit beside its scheduler:
 :func:`attach_kv_tier` hangs a :class:`~infer_lab.cache.kv_tier.KVTier` under the engine's
 block pool (the pool's eviction hook writes, the KV manager's prefix lookup reads), and
-:func:`pin_prompt_blocks` / :func:`inject_blocks` are the two ends of a transfer
-(:mod:`infer_lab.engine.kv_transfer`): the sender holds the full blocks of a finished prompt by
-their keys, the receiver writes received payloads into blocks of its own pool and names them,
-so that its ordinary prefix lookup finds them and computes only what is missing.
+:func:`hold_finished_blocks` / :func:`inject_blocks` are the two ends of a transfer
+(:mod:`infer_lab.engine.kv_transfer`): the sender holds the blocks of a finished prompt (the
+full ones and the partial last one), the receiver writes the full blocks' payloads into blocks
+of its own pool and names them, so that its ordinary prefix lookup finds them, and keeps the
+partial block for that one request (:func:`stage_partial_block`): the KV manager writes it into
+the request's first fresh block when the request starts. It computes only what is missing: the
+last prompt token, whose logits give the first output token (vLLM's decode worker does the
+same).
 
 Every function here runs on the engine's thread (the pool is not thread-safe).
 """
@@ -16,9 +20,17 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from infer_lab.cache.block_pool import BlockKey, block_key
-from infer_lab.cache.kv_tier import KVByteStore, KVTier, cache_namespace, write_block
+from infer_lab.cache.block_pool import NONE_KEY, BlockKey, block_key
+from infer_lab.cache.kv_tier import (
+    KVByteStore,
+    KVTier,
+    block_nbytes,
+    cache_namespace,
+    write_block,
+)
 from infer_lab.engine.engine import LLMEngine
+from infer_lab.engine.kv_partial import PartialBlock, ReceivedPartialBlocks
+from infer_lab.engine.sequence import Sequence as EngineSequence
 
 
 def engine_namespace(engine: LLMEngine) -> bytes:
@@ -73,7 +85,9 @@ def pin_prompt_blocks(engine: LLMEngine, token_ids: Sequence[int],
     full blocks; returns their ids and keys. The caller frees them with
     ``engine.kv.pool.free_blocks``. Blocks evicted since the prompt ran are simply not there:
     the receiver computes those tokens. The last prompt token is left out: the receiver must
-    compute it anyway (its logits give the first token), so a last full block is never sent."""
+    compute it anyway (its logits give the first token), so a last full block is never sent.
+    This is for a prompt that already ran; :func:`hold_finished_blocks` also keeps the partial
+    last block, which the pool forgets once its request is done."""
     pool, blocks, keys = engine.kv.pool, [], []
     for key in prompt_keys(engine, token_ids[:-1])[:max_blocks]:
         block = pool.get_cached_block(key)
@@ -83,6 +97,22 @@ def pin_prompt_blocks(engine: LLMEngine, token_ids: Sequence[int],
         keys.append(key)
     pool.touch(blocks)
     return blocks, keys
+
+
+def hold_finished_blocks(engine: LLMEngine, seq: EngineSequence, max_blocks: int
+                         ) -> tuple[list[int], list[BlockKey], list[int]]:
+    """Hold (one more reference) the blocks with the K/V of ``seq``'s prompt but its last token,
+    as ``seq`` finishes (engine thread, before the scheduler frees them): the full blocks and
+    the partial last one, at most ``max_blocks``. Returns the block ids, the full blocks' keys
+    and the tokens of the partial block (empty: none; else it is the last id)."""
+    kv, size = engine.kv, engine.config.block_size
+    upto = min(seq.num_prompt_tokens - 1, seq.num_computed)  # the tokens the receiver can take
+    full = min(upto // size, max_blocks, len(seq.block_table))
+    whole = full == upto // size and full < max_blocks and len(seq.block_table) > full
+    tail = seq.token_ids[full * size : upto] if whole else []
+    blocks = seq.block_table[: full + (1 if tail else 0)]
+    kv.pool.touch(blocks)
+    return blocks, list(kv.block_keys(seq, full)[:full]), tail
 
 
 def inject_blocks(engine: LLMEngine, token_ids: Sequence[int],
@@ -121,3 +151,27 @@ def inject_blocks(engine: LLMEngine, token_ids: Sequence[int],
     finally:
         pool.free_blocks(reversed(held))
     return len(held)
+
+
+def stage_partial_block(engine: LLMEngine, request_id: str, token_ids: Sequence[int],
+                        num_full: int, tail: PartialBlock) -> int:
+    """Keep a received partial block for ``request_id`` if it continues ``token_ids``'s first
+    ``num_full`` full blocks (its parent key is the last of theirs) with the prompt's own tokens
+    (compared one by one: a partial block has no key), and leaves the last token to compute.
+    Returns the tokens it will cover (0: not taken)."""
+    refuse_eagle(engine, "receiving KV blocks")
+    kv, size = engine.kv, engine.config.block_size
+    if not kv.enable_prefix_caching:
+        return 0
+    mine = prompt_keys(engine, token_ids[: num_full * size])
+    parent = mine[-1] if num_full else NONE_KEY
+    begin, n = num_full * size, len(tail.tokens)
+    if (len(mine) != num_full or tail.parent != parent or not 0 < n < size
+            or begin + n > len(token_ids) - 1 or list(token_ids[begin : begin + n]) != tail.tokens
+            or len(tail.payload) != block_nbytes(engine.runner.cache)):
+        return 0
+    if kv.partial is None:
+        kv.partial = ReceivedPartialBlocks(engine.runner.cache, size,
+                                           max(64, 2 * engine.config.max_num_seqs))
+    kv.partial.stage(request_id, num_full, tail)
+    return n

@@ -1,13 +1,16 @@
 """KV transfer between engine processes over TCP (Chapter 13): pull a prompt's blocks by id.
 
-The engine that computed a prompt (the *sender*, a prefill worker) registers the request: the
-full blocks of its prompt are held in its pool (:func:`~.kv_connector.pin_prompt_blocks`) and
-listed by block id and key. Another engine (the *receiver*, a decode worker) connects, names the
-request and the block ids it was told about, and gets each block's key and bytes; it writes them
-into blocks of its own pool (other ids, another pool size) and names them
-(:func:`~.kv_connector.inject_blocks`), then runs the request as usual: its prefix lookup finds
-the blocks, and it computes only the tokens after them. Then it says ``release`` and the sender
-frees the blocks; a sender that hears nothing frees them after ``pin_timeout_s``.
+The engine that computes a prompt (the *sender*, a prefill worker) is told to expect the
+request (:meth:`KVTransferServer.expect`); when the request finishes, the blocks with its
+prompt's K/V, the full ones and the partial last one, are held in its pool
+(:func:`~.kv_connector.hold_finished_blocks`) and listed by block id. Another engine (the
+*receiver*, a decode worker) connects, names the request and the block ids it was told about,
+and gets each full block's key and bytes, and the partial block's tokens and bytes; it writes
+the full ones into blocks of its own pool (other ids, another pool size) and names them
+(:func:`~.kv_connector.inject_blocks`), keeps the partial one for the request
+(:func:`~.kv_connector.stage_partial_block`), then runs the request as usual: its prefix lookup
+finds the blocks, and it computes only the last prompt token. Then it says ``release`` and the
+sender frees the blocks; a sender that hears nothing frees them after ``pin_timeout_s``.
 
 The wire format is one connection per operation: a 4-byte big-endian length and a JSON header
 each way, then, for a pull, the blocks' bytes back to back (vLLM moves the same bytes with
@@ -37,13 +40,19 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from infer_lab.cache.block_pool import BlockKey
+from infer_lab.cache.block_pool import NONE_KEY, BlockKey
 from infer_lab.cache.kv_tier import block_nbytes, read_block
 from infer_lab.engine.engine import LLMEngine
-from infer_lab.engine.kv_connector import engine_namespace, pin_prompt_blocks
+from infer_lab.engine.kv_connector import (
+    engine_namespace,
+    hold_finished_blocks,
+    pin_prompt_blocks,
+)
+from infer_lab.engine.kv_partial import PartialBlock
+from infer_lab.engine.sequence import Sequence as EngineSequence
 
 MAX_HEADER_BYTES = 1 << 16
 _LEN = struct.Struct(">I")
@@ -56,11 +65,25 @@ class KVTransferError(RuntimeError):
 
 @dataclass
 class Pinned:
-    """A registered request's held blocks on the sender."""
+    """A registered request's held blocks on the sender: the full blocks (``keys``) and, when
+    ``tail`` names its tokens, the partial last block (the last id)."""
 
     block_ids: list[int]
     keys: list[BlockKey]
     expires: float
+    tail: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PulledBlocks:
+    """What a pull brought: full blocks as ``(key, bytes)`` in order, and the partial one."""
+
+    blocks: list[tuple[BlockKey, bytes]]
+    tail: PartialBlock | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for _, p in self.blocks) + (len(self.tail.payload) if self.tail else 0)
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> None:
@@ -109,6 +132,7 @@ class KVTransferServer:
         self.namespace = engine_namespace(engine)
         self.block_nbytes = block_nbytes(engine.runner.cache)
         self._pinned: dict[str, Pinned] = {}
+        self._expected: dict[str, float] = {}  # request id -> when to stop expecting it
         self._lock = threading.Lock()
         self._to_free: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self.num_pinned_blocks = 0
@@ -124,22 +148,37 @@ class KVTransferServer:
                                           daemon=True)]
         for t in self._threads:
             t.start()
+        engine.kv.on_finished = self._on_finished
 
     # ------------------------------------------------------------------ engine thread
+    def _on_finished(self, seq: EngineSequence) -> None:
+        """The KV manager's hook: an expected request finished; hold its prompt's blocks."""
+        request_id = seq.request.request_id
+        with self._lock:
+            if self._expected.pop(request_id, None) is None:
+                return
+        room = max(0, self.max_pinned_blocks - self.num_pinned_blocks)
+        blocks, keys, tail = hold_finished_blocks(self.engine, seq, room)
+        self._add(request_id, Pinned(blocks, keys, time.monotonic() + self.pin_timeout_s, tail))
+
     def register(self, request_id: str, token_ids: Sequence[int]) -> Pinned:
-        """Hold the cached full blocks of ``token_ids`` for ``request_id`` (engine thread)."""
+        """Hold the cached full blocks of ``token_ids`` for ``request_id`` (engine thread): for a
+        prompt that ran without :meth:`expect`, whose partial last block is gone."""
         self.poll()
         room = max(0, self.max_pinned_blocks - self.num_pinned_blocks)
         blocks, keys = pin_prompt_blocks(self.engine, token_ids, room)
         pinned = Pinned(blocks, keys, time.monotonic() + self.pin_timeout_s)
+        self._add(request_id, pinned)
+        self.poll()
+        return pinned
+
+    def _add(self, request_id: str, pinned: Pinned) -> None:
         with self._lock:
             old = self._pinned.pop(request_id, None)
             self._pinned[request_id] = pinned
-            self.num_pinned_blocks += len(blocks)
+            self.num_pinned_blocks += len(pinned.block_ids)
         if old is not None:
             self._drop(old)
-        self.poll()
-        return pinned
 
     def poll(self) -> None:
         """Free the blocks of released and timed-out requests (engine thread)."""
@@ -151,6 +190,21 @@ class KVTransferServer:
             self.engine.kv.pool.free_blocks(reversed(blocks))
 
     # ------------------------------------------------------------------ any thread
+    def expect(self, request_id: str) -> None:
+        """``request_id`` is about to run for a remote decode: when it finishes, hold its
+        prompt's blocks (before the scheduler frees them, so the partial last one is kept)."""
+        with self._lock:
+            self._expected[request_id] = time.monotonic() + self.pin_timeout_s
+
+    def forget(self, request_id: str) -> None:
+        """Stop expecting ``request_id`` (it ended, or never started)."""
+        with self._lock:
+            self._expected.pop(request_id, None)
+
+    def pinned(self, request_id: str) -> Pinned | None:
+        with self._lock:
+            return self._pinned.get(request_id)
+
     def release(self, request_id: str) -> bool:
         """Stop serving ``request_id``'s blocks; they are freed at the next :meth:`poll`."""
         with self._lock:
@@ -171,6 +225,8 @@ class KVTransferServer:
         self._stop.set()
         self._tcp.shutdown()
         self._tcp.server_close()
+        if self.engine.kv.on_finished == self._on_finished:
+            self.engine.kv.on_finished = None
         for request_id in self.pinned_requests():
             self.release(request_id)
 
@@ -187,6 +243,8 @@ class KVTransferServer:
             now = time.monotonic()
             with self._lock:
                 late = [r for r, p in self._pinned.items() if p.expires <= now]
+                for r in [r for r, t in self._expected.items() if t <= now]:
+                    del self._expected[r]
             for request_id in late:
                 self.release(request_id)
 
@@ -236,8 +294,14 @@ class KVTransferServer:
                 return
             cache = self.engine.runner.cache
             body = b"".join(read_block(cache, b) for b in ids)
-            keys = [pinned.keys[index[b]].hex() for b in ids]
-        send_frame(sock, {"ok": True, "keys": keys, "block_nbytes": self.block_nbytes}, body)
+            # the partial block has no key: it travels with its tokens and its parent's key
+            nfull = len(pinned.keys)
+            keys = [pinned.keys[index[b]].hex() if index[b] < nfull else None for b in ids]
+            reply: dict[str, Any] = {"ok": True, "keys": keys, "block_nbytes": self.block_nbytes}
+            if pinned.tail and pinned.block_ids[-1] in ids:
+                reply["tail"] = {"tokens": pinned.tail,
+                                 "parent": (pinned.keys[-1] if nfull else NONE_KEY).hex()}
+        send_frame(sock, reply, body)
         self.bytes_sent += len(body)
 
 
@@ -263,9 +327,10 @@ class _Handler(socketserver.BaseRequestHandler):
 
 # ---------------------------------------------------------------------- the receiver's side
 def pull_blocks(host: str, port: int, token: str, request_id: str, block_ids: Sequence[int],
-                namespace: bytes, timeout: float = 10.0) -> list[tuple[BlockKey, bytes]]:
-    """Each of ``block_ids``'s ``(key, bytes)`` from the sender; raises :class:`KVTransferError`
-    if anything is refused or cut short."""
+                namespace: bytes, timeout: float = 10.0) -> PulledBlocks:
+    """``block_ids``' K/V from the sender: each full block's ``(key, bytes)``, and the partial
+    last block's tokens and bytes if it is among them; raises :class:`KVTransferError` if
+    anything is refused or cut short."""
     header = {"op": "pull", "token": token, "request_id": request_id,
               "block_ids": list(block_ids), "namespace": namespace.hex()}
     reply, sock = _call(host, port, header, timeout)
@@ -277,10 +342,21 @@ def pull_blocks(host: str, port: int, token: str, request_id: str, block_ids: Se
             body = recv_exact(sock, size * len(keys))
         except OSError as e:
             raise KVTransferError(f"the KV transfer from {host}:{port} was cut: {e}") from e
+    payloads = [body[i * size : (i + 1) * size] for i in range(len(keys))]
     try:
-        return [(bytes.fromhex(k), body[i * size : (i + 1) * size]) for i, k in enumerate(keys)]
-    except (TypeError, ValueError):
+        blocks = [(bytes.fromhex(k), p) for k, p in zip(keys, payloads) if k is not None]
+        tail = None
+        if len(blocks) < len(keys):  # one keyless block, the last: the partial one
+            spec = reply.get("tail")
+            if len(blocks) != len(keys) - 1 or keys[-1] is not None or not isinstance(spec, dict):
+                raise ValueError
+            tokens = spec.get("tokens")
+            if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+                raise ValueError
+            tail = PartialBlock(tokens, bytes.fromhex(spec["parent"]), payloads[-1])
+    except (TypeError, ValueError, KeyError):
         raise KVTransferError("a malformed key in a pull's reply") from None
+    return PulledBlocks(blocks, tail)
 
 
 def release_blocks(host: str, port: int, token: str, request_id: str,

@@ -309,16 +309,17 @@ class ContinuousScheduler(Scheduler):
             slots = 1 if request.forked else request.params.n
             if slots > len(self._free_slots) - self._reserved_slots:
                 break
-            cached = kv.get_computed_blocks(seq) if seq.num_computed == 0 else []
-            n = seq.num_tokens - len(cached) * kv.block_size
+            cached, computed = kv.get_computed_tokens(seq) if seq.num_computed == 0 else ([], 0)
+            n = seq.num_tokens - computed
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not kv.allocate_slots(seq, n, cached, reserve=self._watermark):
+            if not kv.allocate_slots(seq, n, cached, reserve=self._watermark,
+                                     num_computed=computed):
                 break
             waiting.popleft()
-            seq.num_computed = len(cached) * kv.block_size
+            seq.num_computed = computed
             self._start(seq, slots)
             out.seqs.append(seq)
             out.num_new.append(n)
@@ -350,7 +351,7 @@ class ContinuousScheduler(Scheduler):
     def finish(self, seqs: list[Sequence]) -> None:
         """Finished sequences leave at once: their blocks and slots serve the next step."""
         for seq in seqs:
-            self.kv.free(seq)
+            self.kv.free_finished(seq)
             self._release_slot(seq)
         if seqs:
             self.running = [s for s in self.running if not s.is_finished]

@@ -6,21 +6,25 @@ protocol) sends each request twice. What it sends was captured from the real rou
 
 1. to the prefill worker: the request with ``max_tokens=1``, ``stream=false``, ``min_tokens=1``
    and ``kv_transfer_params={"do_remote_decode": true, "do_remote_prefill": false, ...null}``.
-   A worker started with ``--kv-role prefill`` runs the prompt, holds the full blocks of its KV
+   A worker started with ``--kv-role prefill`` runs the prompt, holds the blocks of its KV as
+   it finishes, the partial last one too
    (:class:`~infer_lab.engine.kv_transfer.KVTransferServer`) and answers with a top-level
    ``kv_transfer_params`` in vLLM's keys: ``do_remote_prefill``, ``remote_engine_id``,
    ``remote_request_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``, ``tp_size``.
 2. to the decode worker: the original request plus those params, verbatim. A worker started
    with ``--kv-role decode`` pulls the blocks from ``remote_host:remote_port`` (only from a
    peer on its ``--kv-peers`` list), tells the prefill side to release them, writes them into
-   its own pool and runs the request, computing only the tokens after the received blocks.
+   its own pool and runs the request, computing only the tokens after the received blocks
+   (with every block received: the last prompt token, whose logits give the first token).
 
 What goes wrong costs a recompute or a clear error, never wrong tokens: malformed params are a
 400; a peer not on the list is a 400 (a client must not make the worker connect anywhere); an
 unreachable, dead or refusing peer (blocks freed by timeout, ids of another request) is a local
 recompute with a warning (``--kv-on-failure error`` makes it a 502 instead); received blocks
 whose keys are not this prompt's own are not used. A worker without a KV role refuses
-``kv_transfer_params`` (400). The shared token comes from ``INFER_LAB_KV_TOKEN`` (not argv).
+``kv_transfer_params`` (400), and so does a prefill worker asked to stream the first stage
+(vLLM takes it, but sends the params only in a non-streaming answer: they would be lost). The
+shared token comes from ``INFER_LAB_KV_TOKEN`` (not argv).
 """
 
 from __future__ import annotations
@@ -42,10 +46,12 @@ from infer_lab.engine.kv_connector import (
     engine_namespace,
     inject_blocks,
     refuse_eagle,
+    stage_partial_block,
 )
 from infer_lab.engine.kv_transfer import (
     KVTransferError,
     KVTransferServer,
+    PulledBlocks,
     pull_blocks,
     release_blocks,
 )
@@ -143,7 +149,10 @@ class KVDisagg:
 
     # ------------------------------------------------------------------ decode side
     async def before(self, params: KVParams, request_id: str, ids: list[int]) -> None:
-        """Pull the prefilled blocks into this engine's pool (or leave the prompt to compute)."""
+        """Pull the prefilled blocks into this engine's pool (or leave the prompt to compute);
+        on the prefill side, have the endpoint hold the request's blocks when it finishes."""
+        if params.remote_decode and self.endpoint is not None:
+            self.endpoint.expect(request_id)
         if not params.remote_prefill:
             return
         cfg = self.config
@@ -161,11 +170,22 @@ class KVDisagg:
                                "server_error", code="kv_transfer_failed") from e
             return
         await asyncio.to_thread(self._release, params)
-        used = await self.on_engine(lambda: inject_blocks(self.engine.engine, ids, received))
-        self.pulled_blocks += used
-        if used < len(received):
+        used, tail = await self.on_engine(lambda: self._take(request_id, ids, received))
+        self.pulled_blocks += used + (tail > 0)
+        sent = len(received.blocks) + (received.tail is not None)
+        if used + (tail > 0) < sent:
             log.warning("request %s: %d of %d received KV blocks did not match the prompt",
-                        request_id, len(received) - used, len(received))
+                        request_id, sent - used - (tail > 0), sent)
+
+    def _take(self, request_id: str, ids: list[int], received: PulledBlocks) -> tuple[int, int]:
+        """Engine thread: the full blocks into the pool, then the partial one, if it follows
+        them all, kept for this request; (full blocks used, tokens of the partial one)."""
+        engine = self.engine.engine
+        used = inject_blocks(engine, ids, received.blocks)
+        tail = received.tail
+        if tail is None or used < len(received.blocks):
+            return used, 0
+        return used, stage_partial_block(engine, request_id, ids, used, tail)
 
     def _release(self, params: KVParams) -> None:
         try:
@@ -181,7 +201,10 @@ class KVDisagg:
         if not params.remote_decode or self.endpoint is None:
             return {}
         endpoint = self.endpoint
-        pinned = await self.on_engine(lambda: endpoint.register(request_id, ids))
+        endpoint.forget(request_id)
+        # held as the request finished (expect); else (not expected) its cached full blocks
+        pinned = endpoint.pinned(request_id) or await self.on_engine(
+            lambda: endpoint.register(request_id, ids))
         return {"kv_transfer_params": {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id, "remote_request_id": request_id,
@@ -223,7 +246,13 @@ def kv_params(request: Request, body: SamplingFields) -> KVParams | None:
         if not cfg.produces:
             raise _bad("do_remote_decode: this worker is not a prefill worker")
         if getattr(body, "stream", False):
-            raise _bad("do_remote_decode: a prefill for a remote decode cannot stream")
+            # vLLM accepts a streamed prefill but no stream chunk carries kv_transfer_params
+            # (only its non-streaming responses do: ``request_output_to_completion_response``
+            # and ``chat_completion_full_generator``), so the caller never learns the blocks'
+            # ids and they sit pinned until the timeout. Refused here instead, by name.
+            raise _bad("do_remote_decode: a prefill for a remote decode cannot stream (its "
+                       "answer, kv_transfer_params, is sent whole: use stream=false, as "
+                       "vllm-router does)")
         if extra.get("min_tokens") in (0, 1):
             extra.pop("min_tokens")
     if params.remote_prefill:
