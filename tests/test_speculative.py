@@ -368,10 +368,10 @@ def tiny_target():
     return tiny_llama(0, num_layers=3)
 
 
-def sample_many(target, tok, spec, n: int, **params):
-    """``n`` requests seeded 0..n-1 (one engine, batched): outputs ``[n, max_tokens]``."""
+def sample_many(target, tok, spec, n: int, first_seed: int = 0, **params):
+    """``n`` requests seeded ``first_seed``.. (one engine, batched): outputs ``[n, max_tokens]``."""
     sp = [SamplingParams(max_tokens=4, seed=s, ignore_eos=True, detokenize=False, **params)
-          for s in range(n)]
+          for s in range(first_seed, first_seed + n)]
     outs, engine = run(target, tok, [TINY_PROMPT] * n, sp, spec, num_kv_blocks=2048,
                        max_num_seqs=256, max_num_batched_tokens=4096)
     return np.array([o.outputs[0].token_ids for o in outs]), engine.get_stats()
@@ -410,23 +410,27 @@ SIGNIFICANCE = 1e-3
 def test_sampled_draft_preserves_the_distribution(bundled, tiny_target, method, monkeypatch):
     """Tokens 2-4 (the first comes from prefill and is never drafted) over 3000 seeded samples
     with speculation on and off: a chi-square homogeneity test per position passes at
-    significance 1e-3; with acceptance broken (every guess kept) the same test fails."""
+    significance 1e-3; with acceptance broken (every guess kept) the same test fails. The two
+    samples take disjoint seeds: the test assumes independent samples, and a shared seed would
+    draw the first token (so every later token's prefix) alike in both."""
     _, tok = bundled
     make_spec, params = SAMPLED_DRAFTS[method]
     spec = make_spec()
     off, _ = sample_many(tiny_target, tok, None, N_SAMPLES, **params)
-    on, stats_ = sample_many(tiny_target, tok, spec, N_SAMPLES, **params)
+    on, stats_ = sample_many(tiny_target, tok, spec, N_SAMPLES, first_seed=N_SAMPLES, **params)
+    paired, _ = sample_many(tiny_target, tok, None, 100, first_seed=N_SAMPLES, **params)
     assert stats_.spec_num_draft_tokens > N_SAMPLES  # proposals were made...
     assert 0 < stats_.spec_num_accepted_tokens < stats_.spec_num_draft_tokens  # ...some rejected
     assert on.shape == off.shape == (N_SAMPLES, 4)  # max_tokens held inside accepted runs
     for j in (1, 2, 3):
         assert homogeneity_pvalue(off[:, j], on[:, j]) > SIGNIFICANCE, f"token {j + 1}"
-    assert (on != off).any()  # the same distribution, not the same seeded stream
-    again, _ = sample_many(tiny_target, tok, spec, N_SAMPLES, **params)
+    assert (on[:100] != paired).any()  # the same distribution, not the same seeded stream
+    again, _ = sample_many(tiny_target, tok, spec, N_SAMPLES, first_seed=N_SAMPLES, **params)
     assert (again == on).all()  # reproducible: same seeds, same batch
 
     monkeypatch.setattr(speculative, "rejection_sample", lambda p, q, x, gen=None: (x, True))
-    broken, stats_ = sample_many(tiny_target, tok, spec, N_SAMPLES, **params)
+    broken, stats_ = sample_many(tiny_target, tok, spec, N_SAMPLES, first_seed=N_SAMPLES,
+                                 **params)
     assert stats_.spec_num_accepted_tokens == stats_.spec_num_draft_tokens
     assert min(homogeneity_pvalue(off[:, j], broken[:, j]) for j in (1, 2, 3)) < SIGNIFICANCE
 
