@@ -4,10 +4,10 @@ For each model, on held-out text (the KJV chapters of ``infer_lab/assets/tiny-mo
 public domain; calibration from the start of the file, evaluation from after it, disjoint):
 
 - **weights**: every format of :data:`infer_lab.model.quant.formats.WEIGHT_FORMATS` (FP8 at three
-  scale granularities, MXFP8, MXFP4, NVFP4, Q4_K/Q6_K, int8, int4 RTN) plus GPTQ and AWQ int4 at
-  groups of 128 and 32, calibrated on ``--calib-seqs`` sequences of ``--calib-len`` tokens. Bits
-  per weight over the layers' linear weights, scales/zeros/g_idx counted; the embedding (tied
-  LM head) is left unquantized in every row.
+  scale granularities, MXFP8, MXFP4, NVFP4, Q4_K/Q5_K/Q6_K, int8, int4 RTN) plus GPTQ and AWQ
+  int4 at groups of 128 and 32, calibrated on ``--calib-seqs`` sequences of ``--calib-len``
+  tokens. Bits per weight over the layers' linear weights, scales/zeros/g_idx counted; the
+  embedding (tied LM head) is left unquantized in every row.
 - **activations**: every layer linear's input in FP8 E4M3 or int8 with a scale per token.
 - **kv**: K and V stored as fp16, int8 (+ scale per token and head), FP8 E4M3 without a scale
   and with one.
@@ -59,7 +59,7 @@ HELDOUT = Path(il.__file__).parent / "assets" / "tiny-moe" / "heldout.txt"
 SMOLLM2 = "smollm2-135m-instruct"
 # SmolLM2 costs ~15 s per 512-token forward on a loaded core: its list is the chapter's picture
 SMOL_WEIGHTS = ("fp8_e4m3 tensor", "fp8_e4m3 channel", "fp8_e4m3 block128", "mxfp8", "Q6_K",
-                "Q4_K", "nvfp4", "mxfp4", "int4 g128 RTN", "int4 g32 RTN", "int8 channel")
+                "Q5_K", "Q4_K", "nvfp4", "mxfp4", "int4 g128 RTN", "int4 g32 RTN", "int8 channel")
 
 
 def _act_fp8(name: str, x: torch.Tensor) -> torch.Tensor:
