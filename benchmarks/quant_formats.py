@@ -214,8 +214,8 @@ def merge(files: list[Path]) -> dict:
             kept = {r["format"] for r in old["rows"]}
             old["rows"] = [new.get(r["format"], r) for r in old["rows"]]
             old["rows"] += [r for fmt, r in new.items() if fmt not in kept]
-            scored = {r["tokens"] for r in old["rows"]}
-            if len(scored) == 1:  # every row rerun on one length: the model's length is that
+            scored = {r.get("tokens") for r in old["rows"]}
+            if len(scored) == 1 and None not in scored:  # all rerun on one length
                 old["eval_tokens"] = scored.pop()
             out["runs"][m["model"]].setdefault("reruns", []).append(
                 {"formats": list(new), **{k: v for k, v in run.items() if k != "reruns"}})
