@@ -4,10 +4,10 @@ For each model, on held-out text (the KJV chapters of ``infer_lab/assets/tiny-mo
 public domain; calibration from the start of the file, evaluation from after it, disjoint):
 
 - **weights**: every format of :data:`infer_lab.model.quant.formats.WEIGHT_FORMATS` (FP8 at three
-  scale granularities, MXFP8, MXFP4, NVFP4, Q4_K/Q6_K, int8, int4 RTN) plus GPTQ and AWQ int4 at
-  groups of 128 and 32, calibrated on ``--calib-seqs`` sequences of ``--calib-len`` tokens. Bits
-  per weight over the layers' linear weights, scales/zeros/g_idx counted; the embedding (tied
-  LM head) is left unquantized in every row.
+  scale granularities, MXFP8, MXFP4, NVFP4, Q4_K/Q5_K/Q6_K, int8, int4 RTN) plus GPTQ and AWQ
+  int4 at groups of 128 and 32, calibrated on ``--calib-seqs`` sequences of ``--calib-len``
+  tokens. Bits per weight over the layers' linear weights, scales/zeros/g_idx counted; the
+  embedding (tied LM head) is left unquantized in every row.
 - **activations**: every layer linear's input in FP8 E4M3 or int8 with a scale per token.
 - **kv**: K and V stored as fp16, int8 (+ scale per token and head), FP8 E4M3 without a scale
   and with one.
@@ -59,7 +59,7 @@ HELDOUT = Path(il.__file__).parent / "assets" / "tiny-moe" / "heldout.txt"
 SMOLLM2 = "smollm2-135m-instruct"
 # SmolLM2 costs ~15 s per 512-token forward on a loaded core: its list is the chapter's picture
 SMOL_WEIGHTS = ("fp8_e4m3 tensor", "fp8_e4m3 channel", "fp8_e4m3 block128", "mxfp8", "Q6_K",
-                "Q4_K", "nvfp4", "mxfp4", "int4 g128 RTN", "int4 g32 RTN", "int8 channel")
+                "Q5_K", "Q4_K", "nvfp4", "mxfp4", "int4 g128 RTN", "int4 g32 RTN", "int8 channel")
 
 
 def _act_fp8(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,10 @@ def calibrated(stats: dict, method: str, group: int, config: ModelConfig) -> Cal
 ALPHAS = tuple(i / 10 for i in range(11))
 
 
-def run_model(name: str, args: argparse.Namespace) -> dict:
+def run_model(name: str, args: argparse.Namespace,
+              progress: Callable[[dict], None] = lambda m: None) -> dict:
+    """Every row of one model; ``progress`` gets the model's result after each row, so a long
+    run that is stopped leaves the rows it finished."""
     model, tok = il.load(None if name == "tiny-kjv" else name)
     model.eval()
     ids = torch.tensor(tok.encode(HELDOUT.read_text()))
@@ -97,50 +100,58 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         raise SystemExit(f"{name}: the text has {ids.numel()} tokens, too few for "
                          f"{n_cal} calibration + {eval_tokens} evaluation tokens")
     ref = CachedReference(model)
-    rows: list[dict] = []
-
-    def score(label: str, family: str, bits: float, cand: Callable, t0: float) -> None:
-        r = kl_divergence(ref, cand, held, args.window, args.stride)
-        rows.append({"format": label, "family": family, "bits": round(bits, 4),
-                     **{k: v for k, v in r.as_dict().items() if k not in ("window", "stride")},
-                     "kl_mean_ci95": list(r.kl_mean_ci()),  # windows resampled, not tokens
-                     "seconds": round(time.perf_counter() - t0, 1)})
-        print(f"  {label:>24} {bits:6.3f} b  KL {r.kl_mean:.5f} (p99 {r.kl_p99:.4f})  "
-              f"top1 {r.top1_agreement:.3f}  ppl {r.ppl:.3f}/{r.ppl_ref:.3f}", flush=True)
-
     t0 = time.perf_counter()
     stats = collect_stats(model, calib)
     calib_s = time.perf_counter() - t0
     print(f"{name}: calibration stats in {calib_s:.0f} s", flush=True)
+    result = {"model": name, "reference": "fp32" if name == "tiny-kjv" else
+              "fp32 dequantized from the GGUF file (linears Q4_1, embedding Q8_0)",
+              "eval_tokens": eval_tokens, "calibration_tokens": n_cal,
+              "calibration_seconds": round(calib_s, 1), "rows": []}
+    for label, family, make in row_jobs(name, model, stats, args.only):
+        t0 = time.perf_counter()
+        cand, bits = make()
+        r = kl_divergence(ref, cand, held, args.window, args.stride)
+        del cand
+        result["rows"].append({
+            "format": label, "family": family, "bits": round(bits, 4),
+            **{k: v for k, v in r.as_dict().items() if k not in ("window", "stride")},
+            "kl_mean_ci95": list(r.kl_mean_ci()),  # windows resampled, not tokens
+            "seconds": round(time.perf_counter() - t0, 1)})
+        result["eval_tokens"] = r.tokens
+        print(f"  {label:>24} {bits:6.3f} b  KL {r.kl_mean:.5f} (p99 {r.kl_p99:.4f})  "
+              f"top1 {r.top1_agreement:.3f}  ppl {r.ppl:.3f}/{r.ppl_ref:.3f}", flush=True)
+        progress(result)
+    return result
+
+
+Job = tuple[str, str, Callable[[], tuple[Callable, float]]]
+
+
+def row_jobs(name: str, model: il.Transformer, stats: dict, only: list[str] | None
+             ) -> list[Job]:
+    """The rows to run: weights, activations, KV cache; with ``only``, those in its order."""
     weights = dict(WEIGHT_FORMATS) if name == "tiny-kjv" else {
         k: WEIGHT_FORMATS[k] for k in SMOL_WEIGHTS}
     for g in (128, 32):
         weights[f"int4 g{g} GPTQ"] = calibrated(stats, "gptq", g, model.config)
         weights[f"int4 g{g} AWQ"] = calibrated(stats, "awq", g, model.config)
-    keep = set(args.only) if args.only else None
-    weights = {k: v for k, v in weights.items() if keep is None or k in keep}
-    for label, fn in weights.items():
-        t0 = time.perf_counter()
-        qmodel, bits = fake_quantize(model, fn)
-        score(label, "weights", bits, qmodel, t0)
-        del qmodel
-    for label, fn, bits in (("act fp8_e4m3 per-token", _act_fp8, 8.0),
-                            ("act int8 per-token", _act_int8, 8.0)):
-        if keep is not None and label not in keep:
-            continue
-        t0 = time.perf_counter()
-        score(label, "activations", bits, with_activation_format(model, fn), t0)
+    jobs: list[Job] = [(label, "weights", lambda fn=fn: fake_quantize(model, fn))
+                       for label, fn in weights.items()]
+    jobs += [(label, "activations", lambda fn=fn: (with_activation_format(model, fn), 8.0))
+             for label, fn in (("act fp8_e4m3 per-token", _act_fp8),
+                               ("act int8 per-token", _act_int8))]
     d = model.config.head_dim
-    for kv, bits in (("fp16", 16.0), ("int8", 8 + 16 / d), ("fp8_e4m3", 8.0),
-                     ("fp8_e4m3_scaled", 8 + 16 / d)):
-        if keep is not None and f"kv {kv}" not in keep:
-            continue
-        t0 = time.perf_counter()
-        score(f"kv {kv}", "kv", bits, with_kv_cache_dtype(model, kv), t0)
-    return {"model": name, "reference": "fp32" if name == "tiny-kjv" else
-            "fp32 dequantized from the GGUF file (linears Q4_1, embedding Q8_0)",
-            "eval_tokens": rows[0]["tokens"], "calibration_tokens": n_cal,
-            "calibration_seconds": round(calib_s, 1), "rows": rows}
+    jobs += [(f"kv {kv}", "kv", lambda kv=kv, bits=bits: (with_kv_cache_dtype(model, kv), bits))
+             for kv, bits in (("fp16", 16.0), ("int8", 8 + 16 / d), ("fp8_e4m3", 8.0),
+                              ("fp8_e4m3_scaled", 8 + 16 / d))]
+    if not only:
+        return jobs
+    by_label = {j[0]: j for j in jobs}
+    unknown = [o for o in only if o not in by_label]
+    if unknown:
+        raise SystemExit(f"{name}: no rows named {unknown}; rows: {list(by_label)}")
+    return [by_label[o] for o in only]
 
 
 def main() -> None:
@@ -154,7 +165,8 @@ def main() -> None:
     p.add_argument("--stride", type=int, default=384)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--only", nargs="+", default=None,
-                   help="run only these rows (names as in the table), e.g. on a loaded machine")
+                   help="run only these rows (names as in the table), in this order, e.g. on a "
+                   "loaded machine")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--merge", nargs="+", type=Path, default=None,
                    help="join these result files into --out (nothing is run)")
@@ -168,8 +180,11 @@ def main() -> None:
     args.provenance = provenance("cpu")  # the commit that runs, not the one at write time
     t0 = time.perf_counter()
     models: list[dict] = []
-    for m in args.models:  # written after each model: a long run leaves what it finished
-        models.append(run_model(m, args))
+    for m in args.models:  # written after each row: a long run leaves what it finished
+        def progress(partial: dict) -> None:
+            write_results("quant_formats", payload(args, load_start, t0, [*models, partial]),
+                          args.out)
+        models.append(run_model(m, args, progress))
         path = write_results("quant_formats", payload(args, load_start, t0, models), args.out)
     for m in models:
         print(m["model"])
@@ -199,6 +214,9 @@ def merge(files: list[Path]) -> dict:
             kept = {r["format"] for r in old["rows"]}
             old["rows"] = [new.get(r["format"], r) for r in old["rows"]]
             old["rows"] += [r for fmt, r in new.items() if fmt not in kept]
+            scored = {r.get("tokens") for r in old["rows"]}
+            if len(scored) == 1 and None not in scored:  # all rerun on one length
+                old["eval_tokens"] = scored.pop()
             out["runs"][m["model"]].setdefault("reruns", []).append(
                 {"formats": list(new), **{k: v for k, v in run.items() if k != "reruns"}})
     return out

@@ -180,8 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     # spelled out so that -h imports no torch; tests/test_cli.py checks them against the package
     srv.add_argument("--policy", choices=["continuous", "static"], default="continuous")
-    srv.add_argument("--quantization", choices=["int8", "int4", "gguf", "none"], default=None,
-                     help="weights in int8, int4 (groups of 32), a GGUF file's own blocks, or "
+    srv.add_argument("--quantization", choices=["int8", "int4", "gguf", "gptq", "awq", "none"],
+                     default=None,
+                     help="weights in int8, int4 (groups of 32), a GGUF file's own blocks, a "
+                     "GPTQ/AWQ checkpoint's int4 (read as such whenever its config says so), or "
                      "none (dense); default: a GGUF file on a CPU keeps its blocks unless "
                      "--dtype is given, anything else is dense")
     srv.add_argument("--threads", type=int, default=None,

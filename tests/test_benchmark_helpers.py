@@ -47,6 +47,17 @@ def test_quant_formats_merge_replaces_rerun_rows_and_keeps_both_provenances(tmp_
     run_m = out["runs"]["m"]
     assert run_m["provenance"]["commit"] == "aaa"
     assert run_m["reruns"] == [{"formats": ["AWQ", "new"], "provenance": {"commit": "bbb"}}]
+    # every row rerun on one length: the model's eval_tokens follows; mixed lengths: kept
+    def sized(path, tokens, rows):
+        path.write_text(json.dumps({"models": [{"model": "m", "eval_tokens": tokens, "rows": [
+            {"format": f, "tokens": tokens} for f in rows]}]}))
+        return path
+
+    short = sized(tmp_path / "s.json", 511, ["RTN", "AWQ"])
+    both = merge([short, sized(tmp_path / "l.json", 10000, ["RTN", "AWQ"])])
+    assert both["models"][0]["eval_tokens"] == 10000
+    part = merge([short, sized(tmp_path / "p.json", 10000, ["AWQ"])])
+    assert part["models"][0]["eval_tokens"] == 511
 
 
 def _aiperf_record(phase, start_ns, ttft_ms, e2el_ms, icl_ms, error=None):

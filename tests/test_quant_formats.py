@@ -22,11 +22,11 @@ from infer_lab.model.quant import FormatError
 from infer_lab.model.quant.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 from infer_lab.model.quant.kquants import (
     BLOCK_BYTES,
+    CODECS,
     dequantize_q4_k,
     dequantize_q6_k,
     q4k_scale_min,
     quantize_q4_k,
-    quantize_q6_k,
 )
 from infer_lab.model.quant.minifloat import E2M1, E4M3, E5M2, e8m0_decode, e8m0_encode
 from infer_lab.model.quant.mx import (
@@ -175,46 +175,47 @@ def test_nvfp4_decodes_like_gguf_and_beats_mxfp4():
 
 
 # ------------------------------------------------------------------ K-quants
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+ENCODERS = {t: enc for t, (enc, _) in CODECS.items()}
+DECODERS = {t: dec for t, (_, dec) in CODECS.items()}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_kquant_decoders_match_gguf_on_arbitrary_blocks(qtype):
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(24, BLOCK_BYTES[qtype]), dtype=np.uint8)
     d = np.float16(rng.random((24, 2)) * 0.01).view(np.uint8)
-    if qtype == "Q4_K":
-        raw[:, 0:4] = d
-        mine = dequantize_q4_k(raw)
-    else:
+    if qtype == "Q6_K":
         raw[:, 208:210] = d[:, :2]
-        mine = dequantize_q6_k(raw)
+    else:
+        raw[:, 0:4] = d
     ref = gq.dequantize(raw, GT[qtype]).reshape(-1)
-    assert np.array_equal(mine.numpy(), ref)
+    assert np.array_equal(DECODERS[qtype](raw).numpy(), ref)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_kquant_encoders_round_trip_within_half_a_step(qtype):
     w = spread(12, 512) + 0.05
-    enc, dec = {"Q4_K": (quantize_q4_k, dequantize_q4_k),
-                "Q6_K": (quantize_q6_k, dequantize_q6_k)}[qtype]
+    enc, dec = ENCODERS[qtype], DECODERS[qtype]
     blocks = enc(w)
     assert blocks.shape == (12 * 2, BLOCK_BYTES[qtype]) and blocks.dtype == torch.uint8
     back = torch.from_numpy(gq.dequantize(blocks.numpy().reshape(12, -1), GT[qtype]))
     assert torch.equal(dec(blocks).view(12, 512), back)  # gguf reads our bytes as we do
     b = blocks.long()
-    if qtype == "Q4_K":
-        d = b[:, 0:2].to(torch.uint8).contiguous().view(torch.float16).float()
-        sc, _ = q4k_scale_min(b[:, 4:16])
-        step = (d * sc).repeat_interleave(32, 1)
-    else:
+    if qtype == "Q6_K":
         d = b[:, 208:210].to(torch.uint8).contiguous().view(torch.float16).float()
         sc = b[:, 192:208].to(torch.uint8).view(torch.int8).float()
         step = (d * sc).repeat_interleave(16, 1)
+    else:
+        d = b[:, 0:2].to(torch.uint8).contiguous().view(torch.float16).float()
+        sc, _ = q4k_scale_min(b[:, 4:16])
+        step = (d * sc).repeat_interleave(32, 1)
     err = (back.view(-1, 256) - w.view(-1, 256)).abs()
     assert (err <= step / 2 * (1 + 1e-4) + 1e-12).all()
-    # the error bound ordering of the two formats: 6 bits are closer than 4
-    other = quantize_q4_k if qtype == "Q6_K" else quantize_q6_k
-    other_dec = dequantize_q4_k if qtype == "Q6_K" else dequantize_q6_k
-    e_other = (other_dec(other(w)).view(12, 512) - w).norm()
-    assert (e_other > (back - w).norm()) == (qtype == "Q6_K")
+    # the error ordering of the three: each extra bit of code is closer
+    errs = {t: (DECODERS[t](ENCODERS[t](w)).view(12, 512) - w).norm() for t in ENCODERS}
+    assert errs["Q4_K"] > errs["Q5_K"] > errs["Q6_K"]
+    if qtype == "Q5_K":  # the fifth bit is really used: codes above 15 in every block
+        assert (b[:, 16:48] != 0).any(1).all()
 
 
 def test_q4k_scale_bytes_round_trip_every_6_bit_value():

@@ -10,7 +10,9 @@
    never held twice in memory (:mod:`infer_lab.model.checkpoint`).
 3. **Transform it** if asked: ``quantization="int8"``/``"int4"`` quantizes the built model,
    ``"gguf"`` puts a GGUF file's own blocks in place of the matrices, which are then never
-   dequantized (:mod:`infer_lab.model.quantize`).
+   dequantized (:mod:`infer_lab.model.quantize`). A checkpoint quantized before it was shipped
+   (GPTQ or AWQ, its ``config.json`` says so) is read straight into the engine's int4
+   (:mod:`infer_lab.model.quant.prequantized`).
 
 Each step is a module that knows nothing of the others; only this one calls them in order.
 """
@@ -37,9 +39,11 @@ from infer_lab.model.checkpoint import (
 from infer_lab.model.config import ModelConfig
 from infer_lab.model.gguf import GGUFFile, find_gguf, read_gguf
 from infer_lab.model.hf_checkpoint import HFCheckpoint
+from infer_lab.model.quant.prequantized import QuantConfig, load_prequantized, read_quant_config
 from infer_lab.model.quantize import (
     GGUF_BLOCK_TYPES,
     INT4_DEFAULT_GROUP,
+    PREQUANTIZED,
     QuantizationError,
     check_quantization_name,
     keep_gguf_blocks,
@@ -69,9 +73,15 @@ def load(
     """Load a model and its tokenizer: the bundled model by default, else a directory, a ``.gguf``
     file (or a directory holding one), a named model such as ``"smollm2-135m-instruct"``, or a hub
     id. ``quantization``: ``"int8"``, ``"int4"`` (in groups of ``group_size``) or ``"gguf"`` (a
-    GGUF file's blocks kept as they are); see :mod:`infer_lab.model.quantize`."""
+    GGUF file's blocks kept as they are); see :mod:`infer_lab.model.quantize`. A GPTQ or AWQ
+    checkpoint loads as its int4 (``quantization`` None or its method, ``"gptq"``/``"awq"``)."""
     check_quantization_name(quantization)  # before seconds of reading
     path = resolve_model_path(model)
+    if not is_random_stand_in(path) and (qc := read_quant_config(path)) is not None:
+        return _load_prequantized(path, qc, quantization, device, dtype)
+    if quantization in PREQUANTIZED:
+        raise QuantizationError(f"quantization={quantization!r} reads a checkpoint quantized with "
+                                f"{quantization.upper()}; {path} has no quantization_config")
     if is_random_stand_in(path):
         if quantization == "gguf":
             raise QuantizationError(f"quantization='gguf' needs the real {path} file; the random "
@@ -92,6 +102,20 @@ def load(
     if quantization is not None:
         built = quantize_model(built, quantization, group_size)
     return built, tokenizer
+
+
+def _load_prequantized(path: Path, qc: QuantConfig, quantization: str | None,
+                       device: torch.device | str | None, dtype: torch.dtype | str | None
+                       ) -> tuple[Transformer, Tokenizer]:
+    """A GPTQ/AWQ checkpoint's model in the engine's int4, and its tokenizer."""
+    if quantization not in (None, qc.method):
+        raise QuantizationError(f"{path} is already quantized with {qc.method.upper()} (its "
+                                f"quantization_config); quantization={quantization!r} cannot "
+                                f"apply: pass None or {qc.method!r}")
+    checkpoint = HFCheckpoint(path)
+    checkpoint.config()  # the config and the tokenizer first: each fails in a moment
+    tokenizer = checkpoint.tokenizer()
+    return load_prequantized(checkpoint, qc, device, dtype), tokenizer
 
 
 def cpu_serving_quantization(model: str | os.PathLike | None,

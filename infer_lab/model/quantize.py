@@ -28,7 +28,8 @@ from infer_lab.kernels import quant as qk
 from infer_lab.kernels.quant import unpack_int4
 from infer_lab.model.checkpoint import Weight
 
-QUANTIZATIONS = ("int8", "int4", "gguf")
+PREQUANTIZED = ("gptq", "awq")  # read from a checkpoint quantized so (model.quant.prequantized)
+QUANTIZATIONS = ("int8", "int4", "gguf", *PREQUANTIZED)
 INT4_DEFAULT_GROUP = 32
 
 
@@ -230,6 +231,9 @@ def check_quantization(model: nn.Module, quantization: str, group_size: int) -> 
     if quantization == "gguf":
         raise QuantizationError(f"quantize_model does {QUANTIZATIONS[:2]}; 'gguf' keeps a GGUF "
                                 "file's blocks and needs a .gguf model")
+    if quantization in PREQUANTIZED:
+        raise QuantizationError(f"quantize_model does {QUANTIZATIONS[:2]}; {quantization!r} "
+                                "reads a checkpoint quantized so: load its directory")
     if getattr(model, "quantization", None):
         raise QuantizationError(f"the model is already quantized ({model.quantization})")
     if getattr(model.config, "num_experts", 0):  # Chapter 12

@@ -3,8 +3,8 @@
 The benchmark and the chapter compare formats through these: each returns the weight as the
 format stores it, decoded to float32, and its bits per weight with scales, minimums and zeros
 counted. K-quants need rows of 256: a tensor whose rows are not (SmolLM2's 576-wide inputs) gets
-llama.cpp's fallback type, Q5_0 for Q4_K and Q8_0 for Q6_K (encoded by ``gguf.quants``), as
-``llama-quantize`` does.
+llama.cpp's fallback type, Q5_0 for Q4_K, Q5_1 for Q5_K and Q8_0 for Q6_K (encoded by
+``gguf.quants``), as ``llama-quantize`` does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from infer_lab.model.quant.mx import quantize_mx, quantize_nvfp4
 from infer_lab.model.quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 Decoded = tuple[torch.Tensor, float]
-KQUANT_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+KQUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def _fp8(fmt: str, granularity: str) -> Callable[[str, torch.Tensor], Decoded]:
@@ -86,6 +86,7 @@ WEIGHT_FORMATS: dict[str, Callable[[str, torch.Tensor], Decoded]] = {
     "int8 channel": _int8,
     "mxfp8": _mx("mxfp8"),
     "Q6_K": _kquant("Q6_K"),
+    "Q5_K": _kquant("Q5_K"),
     "Q4_K": _kquant("Q4_K"),
     "int4 g32 (Q4_1 grid)": _int4_q41,
     "int4 g128 RTN": _rtn(128),

@@ -1,4 +1,4 @@
-"""llama.cpp's K-quants Q4_K and Q6_K: super-blocks of 256 weights with quantized scales.
+"""llama.cpp's K-quants Q4_K, Q5_K and Q6_K: super-blocks of 256 weights with quantized scales.
 
 Q4_1 (Chapter 8) spends 32 bits of fp16 scale and minimum on every 32 weights: 5 bits per weight.
 A K-quant *quantizes the scales too*: a super-block of 256 weights holds one fp16 ``d`` (and for
@@ -11,6 +11,9 @@ Q4_K one fp16 ``dmin``), and each sub-block stores small integer multiples of th
   The 12 scale bytes: bytes 0-3 hold ``sc[0..3]`` in their low 6 bits, bytes 4-7 ``m[0..3]``;
   ``sc[4..7]`` and ``m[4..7]`` keep their low 4 bits in bytes 8-11 (low and high nibble) and
   their top 2 bits in the top 2 bits of bytes 0-3 and 4-7.
+- **Q5_K** (176 bytes, 5.5 bits per weight): Q4_K with a fifth bit. ``d``, ``dmin``, the same 12
+  scale bytes, then 32 bytes ``qh`` and the 128 bytes of low nibbles laid out as Q4_K's. Weight
+  ``l`` of sub-block ``j`` takes its top bit from bit ``j`` of ``qh[l]``; ``q`` in 0..31.
 - **Q6_K** (210 bytes, 6.5625 bits per weight): 128 bytes ``ql`` (the low 4 bits), 64 bytes
   ``qh`` (the top 2), sixteen int8 scales (one per 16 weights), fp16 ``d``. Weight ``i`` is
   ``d * scales[i // 16] * (q - 32)``, ``q`` in 0..63. Within each half of 128 weights, weight
@@ -34,7 +37,7 @@ from infer_lab.model.quant.fp8 import check_finite
 from infer_lab.model.quant.mx import check_block
 
 QK_K = 256
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 BITS_PER_WEIGHT = {name: 8 * size / QK_K for name, size in BLOCK_BYTES.items()}
 
 
@@ -61,15 +64,33 @@ def q4k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, m
 
 
+def _scale_min_weights(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``d * sc[j] * q - dmin * m[j]`` of blocks ``b`` and their codes ``q [B, 8, 32]``."""
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, m = q4k_scale_min(b[:, 4:16])
+    w = d[:, None, None] * sc[..., None] * q.float() - dmin[:, None, None] * m[..., None]
+    return w.reshape(-1)
+
+
+def _low_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Codes ``[B, 8, 32]`` of 128 nibble bytes per block: sub-blocks ``2c`` and ``2c + 1`` in
+    the low and high nibbles of bytes ``32c..32c+31``."""
+    qs = qs.long().view(-1, 4, 32)
+    return torch.stack([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32)
+
+
 def dequantize_q4_k(data: torch.Tensor | np.ndarray, name: str = "weight") -> torch.Tensor:
     """float32 values ``[B * 256]`` of Q4_K blocks."""
     b = _blocks(data, "Q4_K", name)
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, m = q4k_scale_min(b[:, 4:16])
-    qs = b[:, 16:].long().view(-1, 4, 32)  # 4 chunks of 32 bytes, 2 sub-blocks each
-    q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32).float()
-    w = d[:, None, None] * sc[..., None] * q - dmin[:, None, None] * m[..., None]
-    return w.reshape(-1)
+    return _scale_min_weights(b, _low_nibbles(b[:, 16:]))
+
+
+def dequantize_q5_k(data: torch.Tensor | np.ndarray, name: str = "weight") -> torch.Tensor:
+    """float32 values ``[B * 256]`` of Q5_K blocks."""
+    b = _blocks(data, "Q5_K", name)
+    qh = b[:, 16:48].long()
+    high = torch.stack([(qh >> j) & 1 for j in range(8)], dim=1)  # [B, 8 sub-blocks, 32]
+    return _scale_min_weights(b, _low_nibbles(b[:, 48:]) | (high << 4))
 
 
 def _f16_up(x: torch.Tensor) -> torch.Tensor:
@@ -79,29 +100,47 @@ def _f16_up(x: torch.Tensor) -> torch.Tensor:
                        h).float()
 
 
-def quantize_q4_k(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
-    """Q4_K blocks (uint8 ``[N * K / 256, 144]``) of ``w [N, K]``: the covering encoder."""
-    g = _kq_input(w, name, "Q4_K").view(-1, 8, 32)
-    lo = g.amin(-1).clamp(max=0.0)  # Q4_K's minimum is subtracted: it must be <= 0
+def _encode_scale_min(w: torch.Tensor, name: str, qtype: str, top: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The covering encoder of Q4_K (``top`` 15) and Q5_K (31): each block's 16 header bytes
+    (``d``, ``dmin``, the 12 scale bytes) ``[B, 16]`` and its codes ``[B, 8, 32]``."""
+    g = _kq_input(w, name, qtype).view(-1, 8, 32)
+    lo = g.amin(-1).clamp(max=0.0)  # the minimum is subtracted: it must be <= 0
     hi = g.amax(-1)
     dmin = _f16_up((-lo).amax(-1) / 62)  # 62, not 63: room for the rounding up below
     m = torch.where(dmin[:, None] > 0, torch.ceil(-lo / dmin[:, None].clamp(min=1e-30)), 0)
     base = -dmin[:, None] * m
-    need = (hi - base) / 15
+    need = (hi - base) / top
     d = _f16_up(need.amax(-1) / 62)
     sc = torch.where(d[:, None] > 0, torch.ceil(need / d[:, None].clamp(min=1e-30)), 0)
     step = (d[:, None] * sc)[..., None]
     q = torch.where(step > 0, torch.round((g - base[..., None]) / step.clamp(min=1e-30)), 0)
-    q = q.clamp(0, 15).long()
+    q = q.clamp(0, top).long()
     sc, m = sc.long(), m.long()
     scales = torch.cat([
         (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
         (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
         (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], dim=1)
-    qb = q.view(-1, 4, 2, 32)
-    qs = (qb[:, :, 0] | (qb[:, :, 1] << 4)).reshape(-1, 128)
     head = torch.stack([d.half(), dmin.half()], 1).view(torch.uint8).long()
-    return torch.cat([head, scales, qs], dim=1).to(torch.uint8)
+    return torch.cat([head, scales], dim=1), q
+
+
+def _pack_low_nibbles(q: torch.Tensor) -> torch.Tensor:
+    qb = (q & 15).view(-1, 4, 2, 32)
+    return (qb[:, :, 0] | (qb[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def quantize_q4_k(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """Q4_K blocks (uint8 ``[N * K / 256, 144]``) of ``w [N, K]``: the covering encoder."""
+    head, q = _encode_scale_min(w, name, "Q4_K", 15)
+    return torch.cat([head, _pack_low_nibbles(q)], dim=1).to(torch.uint8)
+
+
+def quantize_q5_k(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """Q5_K blocks (uint8 ``[N * K / 256, 176]``) of ``w [N, K]``: the covering encoder."""
+    head, q = _encode_scale_min(w, name, "Q5_K", 31)
+    qh = sum(((q[:, j] >> 4) & 1) << j for j in range(8))  # [B, 32]: bit j from sub-block j
+    return torch.cat([head, qh, _pack_low_nibbles(q)], dim=1).to(torch.uint8)
 
 
 # ------------------------------------------------------------------------------ Q6_K
@@ -142,10 +181,13 @@ def _kq_input(w: torch.Tensor, name: str, qtype: str) -> torch.Tensor:
     return w.detach().float().reshape(-1, QK_K)
 
 
+CODECS = {"Q4_K": (quantize_q4_k, dequantize_q4_k), "Q5_K": (quantize_q5_k, dequantize_q5_k),
+          "Q6_K": (quantize_q6_k, dequantize_q6_k)}
+
+
 def fake_quant_kquant(w: torch.Tensor, qtype: str, name: str = "weight") -> torch.Tensor:
-    """``w`` through Q4_K or Q6_K and back, shaped like ``w``."""
-    if qtype == "Q4_K":
-        return dequantize_q4_k(quantize_q4_k(w, name), name).view(w.shape)
-    if qtype == "Q6_K":
-        return dequantize_q6_k(quantize_q6_k(w, name), name).view(w.shape)
-    raise FormatError(f"K-quant type must be Q4_K or Q6_K, got {qtype!r}")
+    """``w`` through Q4_K, Q5_K or Q6_K and back, shaped like ``w``."""
+    if qtype not in CODECS:
+        raise FormatError(f"K-quant type must be one of {sorted(CODECS)}, got {qtype!r}")
+    enc, dec = CODECS[qtype]
+    return dec(enc(w, name), name).view(w.shape)
