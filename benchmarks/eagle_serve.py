@@ -79,12 +79,16 @@ def summary(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for method in dict.fromkeys(r["method"] for r in raw):
         for c in dict.fromkeys(r["concurrency"] for r in raw):
             runs = [r for r in raw if r["method"] == method and r["concurrency"] == c]
+            if not runs:  # not measured yet (the JSON is written as the sweep goes)
+                continue
             row: dict[str, Any] = {"method": method, "concurrency": c, "rounds": len(runs),
                                    "failed": sum(r["failed"] for r in runs)}
             for key in KEYS:
                 s = spread([r[key] for r in runs])
                 row.update({key: s["median"], f"{key}_lo": s["lo"], f"{key}_hi": s["hi"]})
-            s = spread([r["output_tok_s"] / base[r["round"], c] for r in runs])
+            ratios = [r["output_tok_s"] / base[r["round"], c] for r in runs
+                      if (r["round"], c) in base]
+            s = spread(ratios) if ratios else {"median": None, "lo": None, "hi": None}
             row.update(ratio=s["median"], ratio_lo=s["lo"], ratio_hi=s["hi"])
             row["load_average"] = [min(r["load_average"] for r in runs),
                                    max(r["load_average"] for r in runs)]
