@@ -4,8 +4,8 @@
 #
 #     bash benchmarks/device_check.sh
 #
-# Steps, each with its own time limit, each logged (the default steps' limits add up to 6.9
-# minutes, about 4 expected; all ten steps at once to 12.75 minutes, more than one 10-minute
+# Steps, each with its own time limit, each logged (the default steps' limits add up to 8.9
+# minutes, about 5 expected; all twelve steps at once to 16.25 minutes, more than one 10-minute
 # call of the device tool, so name the optional ones in a second call):
 #   1. cpu_dry_run  the interpreter tests of the kernels and the benchmark's CPU smoke test with
 #                   the GPU hidden (CUDA_VISIBLE_DEVICES=): catches a broken environment cheaply;
@@ -37,7 +37,16 @@
 #                   models of its active and total width (moe_gpu.json). The kernel's correctness
 #                   on the GPU (bf16/fp16/fp32, CUDA graph capture) is in gpu_tests
 #                   (tests/test_moe_kernels.py). Limit 90 s; only when named: STEPS="moe".
-# Default (STEPS unset): steps 2 and 4-9, limits 60 + 120 + 45 + 25 + 75 + 50 + 40 = 415 s;
+#  12. eagle        python -m benchmarks.eagle_gpu: EAGLE speculation on the GPU in fp32, batch 1:
+#                   the bundled model with a head self-distilled in seconds, then SmolLM2-135M
+#                   with the shipped head (its random-weight stand-in when the model is not
+#                   cached: step costs only); no speculation, chains k = 2 and 4, a tree; greedy
+#                   output checked identical to no speculation (rc 1 if not) and decode tok/s
+#                   both ways (eagle_gpu.json). Limit 120 s. A failure here is logged and
+#                   counted like any step's; the steps after it still run. CPU smoke:
+#                   python -m benchmarks.eagle_gpu --device cpu --max-tokens 8 --prompts 1.
+# Default (STEPS unset): steps 2, 4-9 and 12, limits 60 + 120 + 45 + 25 + 75 + 50 + 40 + 120 =
+# 535 s;
 # steps 1, 3, 10 and 11 (cpu_dry_run, chapters, speculative, moe: 110, 150, 90, 90 s) run only
 # when named in STEPS (1 and 3 also run on CPU, where CI runs them; 10 has a CPU smoke:
 # python -m benchmarks.speculative --gpu --device cpu --tiny).
@@ -58,7 +67,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OF
   TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg
 failed=0
 
-DEFAULT_STEPS="gpu_tests cuda_graphs kernels quant_kernels engine serve_bench tp"
+DEFAULT_STEPS="gpu_tests cuda_graphs kernels quant_kernels engine serve_bench tp eagle"
 wanted() { [[ " ${STEPS:-$DEFAULT_STEPS} " == *" $1 "* ]]; }
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the verdict
@@ -163,6 +172,9 @@ step moe 90 $PY -m benchmarks.moe --gpu --only paths step_vs_batch headline --re
 # prints its summary.
 step tp 40 env INFER_LAB_TP_BACKEND=gloo $PY -m pytest -q -p no:xdist -p no:cacheprovider \
   tests/test_tensor_parallel.py -k "tp2 or sharded"
+
+# Issue 31: EAGLE on the GPU (greedy output unchanged; decode tok/s with and without it).
+step eagle 120 $PY -m benchmarks.eagle_gpu --out "$RES"
 
 echo "overall: $([ $failed -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$RES/summary.txt"
 exit $failed

@@ -11,6 +11,13 @@ machine's load falls on a round's pair. Speedup = the baseline's time over the m
 per prompt and round; a row's speedup is the median over all of them with the smallest and
 largest. Greedy output is checked identical to the baseline's.
 
+Prompts are the independent unit (Chapter 7's rule: runs of one prompt share its text, and
+rounds of one prompt share its tokens): each row also gives, per prompt, its tokens per
+verification and its speedup (the median of its rounds), a 95 % percentile-bootstrap interval
+of the mean accepted length that resamples whole prompts (the pooled ratio, accepted tokens over
+drafts, recomputed per resample), and a distribution-free 95 % interval of the median speedup
+over prompts (``measure.stats.median_ci``, order statistics of the per-prompt speedups).
+
 Per row also: acceptance rate, mean accepted length (tokens per verification, the bonus token
 included) and its distribution (the fraction of verifications that kept exactly 1, 2, ...
 tokens); the draft's measured cost c (proposer time per draft over k, the configured depth,
@@ -19,7 +26,7 @@ k) and Leviathan et al.'s expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)) fr
 measured per-token acceptance a, beside the measured one (for a tree, k is its depth and c its
 whole proposal's cost over k).
 
-    python -m benchmarks.eagle [--rounds 2] [--max-tokens 32] [--prompts 3] [--threads 1]
+    python -m benchmarks.eagle [--rounds 1] [--max-tokens 32] [--prompts 16] [--threads 1]
         [--clock cpu|wall] [--out DIR]
 """
 
@@ -27,10 +34,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 import infer_lab as il
@@ -38,6 +47,7 @@ from benchmarks._common import print_table, provenance, write_results
 from benchmarks.eagle_prompts import HELD_OUT
 from benchmarks.speculative import chat, spread
 from infer_lab.engine import LLMEngine, SamplingParams
+from infer_lab.measure.stats import median_ci
 
 HEAD = "eagle-smollm2-135m-instruct"
 TREE = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"
@@ -99,8 +109,40 @@ def leviathan(a: float, k: int, c: float) -> float:
     return tokens / (k * c + 1)
 
 
-def summarize(name: str, spec: dict, runs: list[dict], bases: list[dict]) -> dict[str, Any]:
-    """One row: acceptance over every run, speedups per (prompt, round), the prediction."""
+def pooled_length_ci(accepted: list[int], drafts: list[int], level: float = 0.95,
+                     n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap interval of 1 + accepted / drafts that resamples whole prompts.
+
+    A prompt's verifications share its text (one hard passage rejects a run of them), so the
+    prompts, not the verifications, are what is drawn with replacement."""
+    acc, n = np.asarray(accepted, float), np.asarray(drafts, float)
+    if len(acc) < 2:
+        return (float("nan"), float("nan"))
+    picks = np.random.default_rng(seed).integers(0, len(acc), (n_boot, len(acc)))
+    lengths = 1 + acc[picks].sum(1) / np.maximum(n[picks].sum(1), 1)
+    lo, hi = np.quantile(lengths, [(1 - level) / 2, (1 + level) / 2])
+    return (float(lo), float(hi))
+
+
+def per_prompt(runs: list[dict], bases: list[dict], n_prompts: int) -> list[dict[str, Any]]:
+    """Per prompt (runs are in round-major order): drafts, tokens per verification, and the
+    median speedup over its rounds."""
+    out = []
+    for i in range(n_prompts):
+        mine = runs[i::n_prompts]
+        drafts = sum(r["num_drafts"] for r in mine)
+        accepted = sum(r["accepted_tokens"] for r in mine)
+        out.append({"prompt": i, "num_drafts": drafts, "accepted_tokens": accepted,
+                    "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+                    "speedup": statistics.median(b["seconds"] / r["seconds"] for r, b in
+                                                 zip(mine, bases[i::n_prompts]))})
+    return out
+
+
+def summarize(name: str, spec: dict, runs: list[dict], bases: list[dict],
+              n_prompts: int) -> dict[str, Any]:
+    """One row: acceptance over every run, speedups per (prompt, round), the prediction,
+    and per-prompt figures with intervals over prompts."""
     drafts = sum(r["num_drafts"] for r in runs)
     drafted = sum(r["draft_tokens"] for r in runs)
     accepted = sum(r["accepted_tokens"] for r in runs)
@@ -122,8 +164,15 @@ def summarize(name: str, spec: dict, runs: list[dict], bases: list[dict]) -> dic
     draft_c = sum(r["propose_s"] for r in runs) / max(1, drafts) / k / step_s
     speedups = [b["seconds"] / r["seconds"] for r, b in zip(runs, bases)]
     s = spread(speedups)
+    prompts = per_prompt(runs, bases, n_prompts)
+    len_ci = pooled_length_ci([p["accepted_tokens"] for p in prompts],
+                              [p["num_drafts"] for p in prompts])
+    speed_ci = median_ci([p["speedup"] for p in prompts])
     return {"method": name, "k": k, "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": 1 + per_draft, "num_drafts": drafts,
+            "mean_accepted_length_ci": list(len_ci),
+            "prompt_speedup_median": statistics.median(p["speedup"] for p in prompts),
+            "prompt_speedup_ci": list(speed_ci), "per_prompt": prompts,
             "accepted_length_hist": [h / drafts for h in hist] if drafts else [],
             "alpha": alpha, "draft_cost_c": draft_c,
             "predicted_speedup": leviathan(alpha, k, draft_c) if drafts else None,
@@ -134,9 +183,10 @@ def summarize(name: str, spec: dict, runs: list[dict], bases: list[dict]) -> dic
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--prompts", type=int, default=3, help="the first N held-out prompts")
+    ap.add_argument("--prompts", type=int, default=len(HELD_OUT),
+                    help="the first N held-out prompts (default: all)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     ap.add_argument("--only", nargs="*", help="methods to run (default: all)")
@@ -150,9 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     bases: list[dict] = []
     loads = [os.getloadavg()[0]]
     for rnd in range(args.rounds):
-        for p in prompts:
+        for i, p in enumerate(prompts):
             base = run(model, tok, p, args.max_tokens, None, args.clock)
-            order = list(specs) if rnd % 2 == 0 else list(specs)[::-1]
+            # the order reverses from prompt to prompt and from round to round
+            order = list(specs) if (rnd + i) % 2 == 0 else list(specs)[::-1]
             for name in order:
                 runs[name].append(run(model, tok, p, args.max_tokens, specs[name], args.clock))
             bases.append(base)
@@ -160,14 +211,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"round {rnd + 1}/{args.rounds} (load average {loads[-1]:.1f})", flush=True)
     n = len(bases)
     base_tok_s = sum(len(b["tokens"]) - 1 for b in bases) / sum(b["seconds"] for b in bases)
-    rows = [summarize(name, specs[name], [runs[name][i] for i in range(n)], bases)
-            for name in specs]
+    rows = [summarize(name, specs[name], [runs[name][i] for i in range(n)], bases,
+                      len(prompts)) for name in specs]
     print(f"baseline decode {base_tok_s:.1f} tok/s ({args.clock} clock)")
-    print_table(rows, ["method", "mean_accepted_length", "acceptance_rate", "draft_cost_c",
-                       "predicted_speedup", "speedup", "speedup_lo", "speedup_hi",
+    for r in rows:
+        r["len_ci"] = "[{:.2f}, {:.2f}]".format(*r["mean_accepted_length_ci"])
+        r["speed_ci"] = "[{:.2f}, {:.2f}]".format(*r["prompt_speedup_ci"])
+    print_table(rows, ["method", "mean_accepted_length", "len_ci", "acceptance_rate",
+                       "draft_cost_c", "predicted_speedup", "speedup", "speed_ci",
                        "identical"])
+    for r in rows:
+        del r["len_ci"], r["speed_ci"]
     payload = {"benchmark": "eagle", "provenance": {**provenance("cpu"),
-                                                    "load_average": [min(loads), max(loads)]},
+                                                    "load_average": [min(loads), max(loads)],
+                                                    "load_average_per_round": loads},
                "model": "smollm2-135m-instruct (fp32)", "head": HEAD, "tree": TREE,
                "prompts": HELD_OUT[: args.prompts], "max_tokens": args.max_tokens,
                "rounds": args.rounds, "clock": args.clock, "base_tok_s": base_tok_s,
@@ -176,9 +233,14 @@ def main(argv: list[str] | None = None) -> None:
                    sys.argv[1:] if argv is None else argv),
                "note": "batch 1, greedy, ignore_eos, prefill not timed; speedup = baseline "
                        "decode time / method's, same prompt and round, median over prompts x "
-                       "rounds (lo/hi: smallest/largest); draft_cost_c = proposer time per "
-                       "draft / k (the configured depth: a tree's depth, not its nodes; a "
-                       "chain cut short still counts k) / baseline step time; "
+                       "rounds (lo/hi: smallest/largest); per_prompt: each prompt's "
+                       "tokens per verification and median speedup over rounds; "
+                       "mean_accepted_length_ci: 95% bootstrap over prompts (pooled ratio); "
+                       "prompt_speedup_ci: 95% order-statistic interval of the median of "
+                       "per-prompt speedups (prompts are the independent unit); "
+                       "draft_cost_c = proposer time per draft / k (the configured "
+                       "depth: a tree's depth, not its nodes; a chain cut short still "
+                       "counts k) / baseline step time; "
                        "predicted_speedup = Leviathan et al. from alpha (per-token "
                        "acceptance solving sum a^i = accepted per draft) and c"}
     path = write_results("eagle", payload, args.out)

@@ -130,3 +130,46 @@ def test_the_readme_quotes_the_committed_aiperf_comparison():
             len(pt["runs"][tool]) == data["workload"]["repeats"]
             for pt in data["points"] for tool in ("infer_lab", "aiperf"))
         assert (data.get("pinned") is not None) == (name == "aiperf_compare_pinned")
+
+
+def test_eagle_intervals_take_prompts_as_the_unit():
+    """benchmarks/eagle.py: per-prompt figures from round-major runs, and an interval of the
+    pooled tokens per verification that resamples prompts (wide when prompts differ)."""
+    from benchmarks.eagle import per_prompt, pooled_length_ci
+
+    # 2 rounds x 2 prompts, round-major: prompt 0 accepts 1 per draft, prompt 1 none
+    runs = [{"num_drafts": 10, "accepted_tokens": a, "seconds": s}
+            for a, s in ((10, 1.0), (0, 2.0), (10, 3.0), (0, 2.0))]
+    bases = [{"seconds": 1.0}, {"seconds": 1.0}, {"seconds": 1.0}, {"seconds": 1.0}]
+    prompts = per_prompt(runs, bases, 2)
+    assert [p["mean_accepted_length"] for p in prompts] == [2.0, 1.0]
+    assert [p["num_drafts"] for p in prompts] == [20, 20]
+    assert prompts[0]["speedup"] == np.median([1.0, 1 / 3])  # its two rounds
+    same = pooled_length_ci([5] * 8, [10] * 8)
+    assert same == (1.5, 1.5)  # identical prompts: no spread
+    lo, hi = pooled_length_ci([10, 0] * 4, [10] * 8)
+    assert 1.0 <= lo < 1.5 < hi <= 2.0  # the pooled 1.5, inside a real interval
+    assert np.isnan(pooled_length_ci([3], [4])).all()  # one prompt: no interval
+
+
+def test_eagle_serve_ratio_is_taken_within_each_round():
+    """benchmarks/eagle_serve.py: a round's ratio is its own two throughputs' ratio, so a
+    round that ran slow for both servers does not move it."""
+    from benchmarks.eagle_serve import summary
+
+    raw = []
+    for rnd, (base, spec) in enumerate(((10.0, 5.0), (40.0, 20.0), (20.0, 12.0))):
+        for method, tok_s in (("none", base), ("eagle k=2", spec)):
+            raw.append({"round": rnd, "method": method, "concurrency": 8, "failed": 0,
+                        "output_tok_s": tok_s, "itl_p50_ms": 1000 / tok_s,
+                        "tpot_p50_ms": 1000 / tok_s, "ttft_p50_ms": 5.0,
+                        "load_average": 2.0 + rnd})
+    rows = {r["method"]: r for r in summary(raw)}
+    spec = rows["eagle k=2"]
+    assert (spec["ratio"], spec["ratio_lo"], spec["ratio_hi"]) == (0.5, 0.5, 0.6)
+    assert spec["output_tok_s"] == 12.0 and spec["rounds"] == 3  # the median of the rounds
+    assert rows["none"]["ratio"] == 1.0 and spec["load_average"] == [2.0, 4.0]
+    # part-way through a sweep (the JSON is written after every point): what is there
+    partial = summary(raw[:1] + [{**raw[0], "concurrency": 32}, {**raw[1], "concurrency": 1}])
+    assert [(r["method"], r["concurrency"], r["ratio"]) for r in partial] == [
+        ("none", 8, 1.0), ("none", 32, 1.0), ("eagle k=2", 1, None)]

@@ -265,8 +265,12 @@ def test_bad_heads_trees_and_depths_are_refused(bundled, head, tmp_path):
     for spec, words in bad:
         with pytest.raises((ValueError, TypeError), match=words):
             il.EngineConfig(speculative_config=spec)
-    with pytest.raises(ValueError, match="trained depth"):
-        LLMEngine(model, tok, speculative_config=chain(head, 7))  # trained for 6: refused
+    with pytest.raises(ValueError, match="depth recorded with this EAGLE head, "
+                       "trained_depth=6: the chain length its acceptance was validated at"):
+        LLMEngine(model, tok, speculative_config=chain(head, 7))  # validated at 6: refused
+    with pytest.raises(ValueError, match="a draft of depth 7 .*speculative_token_tree"):
+        LLMEngine(model, tok, speculative_config=tree(head, num_speculative_tokens=7,
+                  speculative_token_tree=str([(0,) * d for d in range(1, 8)])))
     with pytest.raises(ValueError, match="token budget"):
         LLMEngine(model, tok, max_num_batched_tokens=8, speculative_config=tree(head))
     with pytest.raises(FileNotFoundError, match="no EAGLE head"):

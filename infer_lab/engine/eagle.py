@@ -30,8 +30,9 @@ logprobs and with penalties (tested: the same tokens and log-probs as without sp
 trees verify by the deterministic rule (the target samples each node with the request's noise
 of that depth), ``draft_sampling: "sampled"`` is for chains only. Structured output and ``n > 1``
 turn speculation off for that request alone (the draft does not know the grammar; forked samples
-would need a feature pool per branch). ``num_speculative_tokens`` above the head's trained depth
-is refused, not clamped; a tree wider than the step's token budget is refused at start-up.
+would need a feature pool per branch). ``num_speculative_tokens`` (or a tree's depth) above the
+depth recorded with the head (``trained_depth``: the chain length its acceptance was validated
+at) is refused, not clamped; a tree wider than the step's token budget is refused at start-up.
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ class EagleProposer:
         depth = max(map(len, paths))
         if depth > self.head.trained_depth:
             raise ValueError(
-                f"a draft of depth {depth} is deeper than this EAGLE head's trained depth "
-                f"({self.head.trained_depth}); use num_speculative_tokens <= "
-                f"{self.head.trained_depth} (the engine refuses rather than clamps)")
+                f"a draft of depth {depth} (num_speculative_tokens, or the depth of "
+                f"speculative_token_tree) is deeper than the depth recorded with this EAGLE "
+                f"head, trained_depth={self.head.trained_depth}: the chain length its "
+                f"acceptance was validated at after training (its training itself looks one "
+                f"token ahead); use num_speculative_tokens <= {self.head.trained_depth} (the "
+                f"engine refuses rather than clamps)")
         self.target, self.device, self.dtype = target, target.device, target.dtype
         self.paths, self.parents, self.depth = paths, tree_parents(paths), depth
         self.ranks = [p[-1] for p in paths]

@@ -49,8 +49,8 @@ class EagleHead(nn.Module):
     """``fc`` and one decoder layer; the embedding and the LM head are the target's.
 
     ``draft_vocab`` (int64 ``[V']``): the target token ids the head may propose, most frequent
-    first. ``trained_depth``: how many tokens ahead its training measured it (the engine refuses
-    a longer draft).
+    first. ``trained_depth``: the chain length its acceptance was validated at after training
+    (training itself looks one token ahead, teacher-forced); the engine refuses a deeper draft.
     """
 
     draft_vocab: torch.Tensor  # a buffer (registered in __init__)
