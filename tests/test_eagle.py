@@ -242,7 +242,7 @@ def test_sampled_chain_preserves_the_distribution(bundled, monkeypatch):
     spec = chain(rand, 3, draft_sampling="sampled")
     params = dict(temperature=0.8, top_k=8, top_p=0.95, presence_penalty=0.7)
     off, _ = sample_many(target, tok, None, N_SAMPLES, **params)
-    on, st = sample_many(target, tok, spec, N_SAMPLES, **params)
+    on, st = sample_many(target, tok, spec, N_SAMPLES, first_seed=N_SAMPLES, **params)
     assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens
     for j in (1, 2, 3):
         assert homogeneity_pvalue(off[:, j], on[:, j]) > SIGNIFICANCE, f"token {j + 1}"

@@ -93,10 +93,10 @@ def load_engine(path: Path, config: EngineConfig, *, device: str | None = None,
     torch's CPU kernels run on OpenMP, which keeps a team of worker threads for each thread that
     ever ran a parallel op. Once it manages more threads than there are cores, a waiting thread
     spins only briefly before sleeping in the kernel (libgomp's throttled spin count), so every
-    op pays a wake-up: loaded in the main thread and stepped in the engine loop's, two teams on
-    two cores cut one stream's decode by more than half (``benchmarks/results/peers.json``,
-    ``server.before_load_thread``). A thread's team ends with it, which leaves the engine
-    loop's the only one."""
+    op that opens a parallel region (the matmuls) pays a wake-up: loaded in the main thread and
+    stepped in the engine loop's, two teams on two cores cut one stream's decode by more than
+    half (``benchmarks/results/peers.json``, ``server.before_load_thread``). A thread's team
+    ends with it, which leaves the engine loop's the only one."""
     def build() -> LLMEngine:
         model, tokenizer = load(path, device=device, dtype=dtype,
                                 quantization=config.quantization)  # Chapter 8
