@@ -187,9 +187,17 @@ def test_gptq_checkpoint_into_the_engine_int4_kernels():
     out = layer(x[:4])  # the engine's int4 kernel path on this machine (bf16 activations)
     ref = x[:4] @ layer.dequantize().t()
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+    # act-order: the columns sorted by group, the activation's gathered the same way
     ordered = gptq_int4(w, 2 * x.t() @ x / 256, 32, act_order=True)
-    with pytest.raises(FormatError, match=r"down_proj: g_idx is not 4 consecutive"):
-        to_quantized_linear(ordered, name="down_proj")
+    layer = to_quantized_linear(ordered, name="down_proj")
+    assert layer.input_perm is not None
+    assert torch.equal(layer.dequantize(), ordered.dequantize())
+    ref = x[:4] @ ordered.dequantize().t()
+    assert ((layer(x[:4]) - ref).norm() / ref.norm()).item() < 1e-2
+    uneven = Int4Groups(ordered.qweight, ordered.scales, ordered.zeros,
+                        torch.arange(128) * 4 // 129)  # groups of 33, 32, 32, 31
+    with pytest.raises(FormatError, match=r"down_proj\.g_idx: its groups hold \[33, 32, 32, 31\]"):
+        to_quantized_linear(uneven, name="down_proj")
 
 
 def test_gptq_checkpoint_bad_tensors_are_named():

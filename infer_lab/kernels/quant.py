@@ -25,6 +25,10 @@
   a Q8_0 layer sees more rows (in SmolLM2's file only the embedding, which is also the LM head).
 - anything else (int4 with an output size that is not a multiple of 16 or a group size other
   than 32-256, which the CPU kernel refuses): the reference.
+
+A layer with an ``input_perm`` (a GPTQ act-order checkpoint's, its weight's columns stored sorted
+by group) has every kernel above fed ``x``'s columns in that order (:func:`stored_order`); the
+reference multiplies ``x`` by the weight in its own order (``layer.dequantize()``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ IMPLS = (None, "reference", "fast")
 CPU_ACTIVATION: torch.dtype | None = torch.bfloat16  # None: feed x's own dtype
 TRITON_GEMV_MAX_ROWS = 16  # at most this many rows of x: the GEMV kernel (decode)
 INT8G_GROUP_CALLS_MAX_ROWS = 1  # CPU Q8_0: up to this many rows per-group int8 calls, then bf16
+CPU_INT4_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu takes
 
 
 def quant_linear(x: torch.Tensor, layer: Any, *, backend: str | None = None,
@@ -53,25 +58,38 @@ def quant_linear(x: torch.Tensor, layer: Any, *, backend: str | None = None,
         return quant_linear_ref(x, layer)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    xs = stored_order(x2, layer)  # what the stored codes multiply (an act-order layer's gather)
     if resolve_backend(backend, x) == "triton" and triton_takes(layer):
         tq = triton_module("triton_quant")
         if layer.fmt == "int8":
-            y = tq.w8_linear(x2, layer.qweight, layer.scale)
+            y = tq.w8_linear(xs, layer.qweight, layer.scale)
         else:
-            y = tq.w4_linear(x2, layer.qweight, layer.scale, layer.minimum, layer.group_size)
+            y = tq.w4_linear(xs, layer.qweight, layer.scale, layer.minimum, layer.group_size)
     elif x.device.type == "cpu" and layer.fmt == "int8":
-        y = int8_linear_cpu(x2, layer.qweight, layer.scale)
+        y = int8_linear_cpu(xs, layer.qweight, layer.scale)
     elif x.device.type == "cpu" and layer.fmt == "int8g":
         few = x2.shape[0] <= INT8G_GROUP_CALLS_MAX_ROWS
-        y = int8g_linear_cpu(x2, layer) if few else dense_linear_cpu(x2, layer)
+        y = int8g_linear_cpu(xs, layer) if few else dense_linear_cpu(x2, layer)
     elif x.device.type == "cpu" and layer.fmt == "int4" and layer.out_features % 16 == 0 \
-            and layer.group_size in (32, 64, 128, 256):
-        y = int4_linear_cpu(x2, layer)
+            and layer.group_size in CPU_INT4_GROUPS:
+        y = int4_linear_cpu(xs, layer)
     else:
         return quant_linear_ref(x, layer)
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)
     return y.view(*lead, y.shape[-1])
+
+
+def stored_order(x: torch.Tensor, layer: Any) -> torch.Tensor:
+    """``x [M, K]`` with its columns in the order the layer stores its weight's inputs.
+
+    A GPTQ act-order checkpoint groups inputs that are not consecutive; the loader sorts the
+    weight's columns by group (:mod:`infer_lab.model.quant.gptq_checkpoint`) and keeps the order
+    as ``input_perm``, so gathering the activation's columns the same way makes the product
+    exact (``x[:, p] @ W[:, p].T == x @ W.T``), as exllama and vLLM do. Other layers: ``x``.
+    """
+    perm = getattr(layer, "input_perm", None)
+    return x if perm is None else x.index_select(1, perm)
 
 
 def triton_takes(layer: Any) -> bool:

@@ -63,6 +63,17 @@ def check_group_size(in_features: int, group_size: int, name: str = "weight") ->
         )
 
 
+def check_permutation(perm: torch.Tensor, in_features: int, fmt: str) -> None:
+    """Raise :class:`QuantizationError` unless ``perm`` is an int4 layer's permutation of its
+    ``in_features`` inputs (int64, each input once)."""
+    if fmt != "int4":
+        raise QuantizationError(f"input_perm is for int4 layers, not {fmt}")
+    if perm.dtype != torch.int64 or perm.shape != (in_features,) or not torch.equal(
+            torch.sort(perm).values, torch.arange(in_features, device=perm.device)):
+        raise QuantizationError(f"input_perm must be a permutation of the {in_features} inputs "
+                                f"(int64), got {perm.dtype} of shape {tuple(perm.shape)}")
+
+
 def quantize_int4(w: torch.Tensor, group_size: int = INT4_DEFAULT_GROUP
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(packed uint8 [N, K/2], scale fp16 [N, K/g], minimum fp16 [N, K/g])``.
@@ -98,10 +109,16 @@ class QuantizedLinear(nn.Module):
     ``backend`` and ``impl`` go to :func:`infer_lab.kernels.quant.quant_linear`: None follows the
     global kernel setting (Triton on CUDA; on CPU torch's int8/int4 kernels), ``impl="reference"``
     forces dequantize-then-matmul.
+
+    ``input_perm`` (int4 only): the stored weight's column ``j`` is input ``input_perm[j]`` (a
+    GPTQ act-order checkpoint's columns sorted by group so that groups are consecutive); the
+    kernels gather ``x``'s columns so before multiplying, and :meth:`dequantize` puts the columns
+    back, so the layer still stands for the checkpoint's weight.
     """
 
     def __init__(self, fmt: str, tensors: dict[str, torch.Tensor], in_features: int,
-                 out_features: int, bias: torch.Tensor | None = None, group_size: int = 0) -> None:
+                 out_features: int, bias: torch.Tensor | None = None, group_size: int = 0,
+                 input_perm: torch.Tensor | None = None) -> None:
         super().__init__()
         if fmt not in ("int8", "int4", "int8g"):
             raise QuantizationError(f"unknown weight format {fmt!r}")
@@ -109,6 +126,10 @@ class QuantizedLinear(nn.Module):
         self.group_size = group_size
         for name, t in tensors.items():
             self.register_buffer(name, t)
+        if input_perm is not None:
+            check_permutation(input_perm, in_features, fmt)
+        self.input_perm: torch.Tensor | None
+        self.register_buffer("input_perm", input_perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.backend: str | None = None
         self.impl: str | None = None
@@ -138,12 +159,17 @@ class QuantizedLinear(nn.Module):
             0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The ``[out, in]`` weight this layer stands for."""
+        """The ``[out, in]`` weight this layer stands for (columns in the inputs' order)."""
         if self.fmt == "int8":
             return dequantize_int8(self.qweight, self.scale, dtype)
         if self.fmt == "int8g":
             return self.dequantize_rows(slice(None), dtype)
-        return dequantize_int4(self.qweight, self.scale, self.minimum, dtype)
+        w = dequantize_int4(self.qweight, self.scale, self.minimum, dtype)
+        if self.input_perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.input_perm] = w
+        return out
 
     def dequantize_rows(self, rows: torch.Tensor | slice,
                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -158,6 +184,7 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
+        g += ", input_perm" if self.input_perm is not None else ""
         return f"{self.fmt}, in={self.in_features}, out={self.out_features}{g}"
 
 

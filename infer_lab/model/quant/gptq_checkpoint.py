@@ -13,19 +13,27 @@ A 4-bit GPTQ checkpoint (``quantization_config``: ``quant_method "gptq"``, ``bit
 
 and ``w[n, k] = scales[g_idx[k], n] * (q - zero[g_idx[k], n])``. :func:`pack_gptq` and
 :func:`unpack_gptq` convert between that and :class:`~infer_lab.model.quant.gptq.Int4Groups`;
-:func:`to_quantized_linear` hands a layer whose groups are consecutive (no act-order) to the
-engine's int4 kernels as a :class:`~infer_lab.model.quantize.QuantizedLinear`, with
-``minimum = -zero * scale`` kept in fp32 (the engine stores a minimum, GPTQ a zero point):
-with an fp16 (or bf16) scale and a 4-bit zero both ``q * scale`` and ``zero * scale`` are exact
-in fp32, so the engine's ``q * scale + minimum`` is GPTQ's ``(q - zero) * scale`` bit for bit
-(an fp16 minimum would round it). :mod:`~infer_lab.model.quant.prequantized` reads a whole
+:func:`to_quantized_linear` hands a layer to the engine's int4 kernels as a
+:class:`~infer_lab.model.quantize.QuantizedLinear`. Those take consecutive groups of one size
+(32-256 on the CPU), and a checkpoint has two other cases: a short last group (SmolLM2's 576
+inputs at group 128 are 4 x 128 + 64), stored as groups of 64 that repeat each group's scale and
+zero; and act-order (``desc_act``), whose groups are not consecutive inputs, stored with the
+columns sorted by group and the permutation kept, which the kernels apply to the activation's
+columns before multiplying (as exllama and vLLM do). Neither rounds anything. The engine stores a
+minimum where GPTQ stores a zero point, ``minimum = -zero * scale``, kept in fp32: with an fp16
+(or bf16) scale and a 4-bit zero both ``q * scale`` and ``zero * scale`` are exact in fp32, so
+the engine's ``q * scale + minimum`` is GPTQ's ``(q - zero) * scale`` bit for bit (an fp16
+minimum would round it). :mod:`~infer_lab.model.quant.prequantized` reads a whole
 checkpoint directory through ``il.load``.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from infer_lab.kernels.quant import CPU_INT4_GROUPS
 from infer_lab.model.quant import FormatError
 from infer_lab.model.quant.gptq import Int4Groups
 from infer_lab.model.quantize import QuantizedLinear
@@ -102,19 +110,64 @@ def unpack_gptq(tensors: dict[str, torch.Tensor], name: str = "weight",
                       zeros.t().to(torch.uint8).contiguous(), g_idx.long())
 
 
+def group_counts(g_idx: torch.Tensor, groups: int, name: str = "weight",
+                 group_size: int | None = None) -> torch.Tensor:
+    """How many inputs each of the ``groups`` groups holds, checked against the two layouts a
+    GPTQ checkpoint has: every group ``group_size`` inputs (the first group's count if None) but
+    the last, which holds the rest (``K`` need not be a multiple); in input order without
+    act-order, in the order GPTQ processed the inputs with it. Anything else is a FormatError
+    naming ``name``'s ``g_idx``."""
+    where = f"{name}.g_idx"
+    if g_idx.dim() != 1 or g_idx.numel() == 0 or groups < 1:
+        raise FormatError(f"{where}: one group per input expected, got shape "
+                          f"{tuple(g_idx.shape)} for {groups} groups")
+    lo, hi = int(g_idx.min()), int(g_idx.max())
+    if lo < 0 or hi >= groups:
+        raise FormatError(f"{where}: holds groups {lo}..{hi} but there are {groups} groups of "
+                          "scales")
+    counts = torch.bincount(g_idx.long(), minlength=groups)
+    g = int(counts[0]) if group_size is None else group_size
+    if not (bool((counts[:-1] == g).all()) and 0 < int(counts[-1]) <= g):
+        shown = counts.tolist() if groups <= 8 else f"{counts[:4].tolist()}... {int(counts[-1])}"
+        raise FormatError(f"{where}: its groups hold {shown} inputs; GPTQ's groups hold "
+                          f"{g} each but the last, which holds the rest (1..{g})")
+    return counts
+
+
+def sub_group_size(counts: torch.Tensor, name: str = "weight") -> int:
+    """The group size the engine's int4 layer uses for groups of ``counts`` inputs: the largest
+    of the kernels' sizes (256, 128, 64, 32) that divides every group, else the largest even
+    size that does. A group of 128 is then 2 groups of 64 that repeat its scale and zero, which
+    changes no weight (how a 576-wide layer's short last group of 64 fits)."""
+    common = math.gcd(*(int(c) for c in counts.unique()))
+    for size in sorted(CPU_INT4_GROUPS, reverse=True):
+        if common % size == 0:
+            return size
+    if common % 2:
+        raise FormatError(f"{name}.g_idx: groups of {sorted(set(counts.tolist()))} inputs have "
+                          f"no even common size (the largest common divisor is {common}); the "
+                          "engine's int4 packs two inputs per byte within a group")
+    return common
+
+
 def to_quantized_linear(t: Int4Groups, bias: torch.Tensor | None = None,
-                        name: str = "weight") -> QuantizedLinear:
-    """The engine's int4 layer for ``t``; its groups must be consecutive and of one size."""
+                        name: str = "weight", group_size: int | None = None) -> QuantizedLinear:
+    """The engine's int4 layer for ``t``, every weight as the checkpoint defines it.
+
+    The columns are sorted by group (stably; nothing moves without act-order) and the
+    permutation is kept as the layer's ``input_perm``; each group becomes groups of
+    :func:`sub_group_size` that share its scale and zero. ``group_size``: the config's (checked
+    against ``g_idx``; None takes the first group's count)."""
     n, k = t.qweight.shape
-    groups = t.scales.shape[1]
-    g = k // groups
-    if k % groups or g % 2 or not torch.equal(t.g_idx, torch.arange(k) // g):
-        raise FormatError(
-            f"{name}: g_idx is not {groups} consecutive groups of one even size (an act-order "
-            "checkpoint, or a ragged last group); the engine's int4 kernels take "
-            "consecutive groups: dequantize it instead")
-    q = t.qweight.long()
+    counts = group_counts(t.g_idx, t.scales.shape[1], name, group_size)
+    sub = sub_group_size(counts, name)
+    perm = torch.argsort(t.g_idx.long(), stable=True)
+    repeat = counts // sub
+    scales = t.scales.repeat_interleave(repeat, dim=1)
+    zeros = t.zeros.repeat_interleave(repeat, dim=1)
+    q = t.qweight[:, perm].long()
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
-    minimum = -(t.zeros.float() * t.scales.float())  # exact in fp32 (module docstring)
-    tensors = {"qweight": packed, "scale": t.scales, "minimum": minimum}
-    return QuantizedLinear("int4", tensors, k, n, bias, g)
+    minimum = -(zeros.float() * scales.float())  # exact in fp32 (module docstring)
+    tensors = {"qweight": packed, "scale": scales.contiguous(), "minimum": minimum}
+    moved = not torch.equal(perm, torch.arange(k))
+    return QuantizedLinear("int4", tensors, k, n, bias, sub, perm if moved else None)

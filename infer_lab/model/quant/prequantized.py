@@ -11,9 +11,15 @@ tensors are unpacked (:mod:`.gptq_checkpoint`, :mod:`.awq_checkpoint`), the piec
 projection (q/k/v, gate/up) joined, and handed to the engine's int4 kernels as a
 :class:`~infer_lab.model.quantize.QuantizedLinear` without rounding anything again.
 
+A GPTQ layer whose last group is short (``K`` not a multiple of ``group_size``) or whose groups
+are not consecutive inputs (act-order, ``desc_act: true``) loads too, exactly
+(:func:`~infer_lab.model.quant.gptq_checkpoint.to_quantized_linear` says how).
+
 What is refused, by name: bits other than 4, an AWQ layout other than GEMM or without zero
-points, a missing or mis-shaped tensor, a ``g_idx`` that is not consecutive groups (act-order,
-``desc_act: true``, or a ragged last group), which the engine's int4 kernels do not take.
+points, a missing or mis-shaped tensor, a ``g_idx`` out of range or whose groups do not hold
+``group_size`` inputs each (but a shorter last one), an act-order ``g_idx`` under
+``desc_act: false``, and the pieces of a fused projection (q/k/v, gate/up) with different
+``g_idx``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from infer_lab.model.checkpoint import Checkpoint, Weight, allocate, fill, plan_
 from infer_lab.model.quant import FormatError
 from infer_lab.model.quant.awq_checkpoint import unpack_awq
 from infer_lab.model.quant.gptq import Int4Groups
-from infer_lab.model.quant.gptq_checkpoint import to_quantized_linear, unpack_gptq
+from infer_lab.model.quant.gptq_checkpoint import group_counts, to_quantized_linear, unpack_gptq
 from infer_lab.model.transformer import Transformer
 
 METHODS = ("gptq", "awq")
@@ -48,6 +54,7 @@ class QuantConfig:
     desc_act: bool = False
     sym: bool = False
     zero_offset: int = 0  # GPTQ's v1 format stores zero - 1
+    lm_head: bool = False  # the LM head quantized too (gptqmodel's and vLLM's ``lm_head``)
 
     @classmethod
     def from_dict(cls, raw: Any, where: str) -> QuantConfig:
@@ -66,7 +73,7 @@ class QuantConfig:
         if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or
                                                                         group > 0):
             raise bad("group_size", f"is {group!r}, not a positive integer or -1")
-        flags = {f: raw.get(f, False) for f in ("desc_act", "sym")}
+        flags = {f: raw.get(f, False) for f in ("desc_act", "sym", "lm_head")}
         for f, v in flags.items():
             if not isinstance(v, bool):
                 raise bad(f, f"is {v!r}, not true or false")
@@ -75,7 +82,8 @@ class QuantConfig:
         fmt = raw.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise bad("checkpoint_format", f"is {fmt!r}; infer_lab reads gptq and gptq_v2")
-        return cls("gptq", group, flags["desc_act"], flags["sym"], int(fmt == "gptq"))
+        return cls("gptq", group, flags["desc_act"], flags["sym"], int(fmt == "gptq"),
+                   flags["lm_head"])
 
     @classmethod
     def _awq(cls, raw: dict, group: int, bad: Any) -> QuantConfig:
@@ -103,7 +111,16 @@ class QuantConfig:
         if self.sym and not bool((t.zeros == 8).all()):
             raise FormatError(f"{name}.qzeros: quantization_config.sym is true but the zero "
                               "points are not all 8")
+        group_counts(t.g_idx, groups, name, min(g, k))  # one of GPTQ's two layouts
+        if not self.desc_act and not t.sorted_groups:
+            raise FormatError(f"{name}.g_idx: its groups are not consecutive inputs (act-order) "
+                              "but quantization_config.desc_act is false, and vLLM ignores "
+                              "g_idx then: set desc_act true if g_idx is meant")
         return t
+
+    def layer_group_size(self, in_features: int) -> int:
+        """The group size the config gives a layer of ``in_features`` inputs."""
+        return in_features if self.group_size == -1 else min(self.group_size, in_features)
 
 
 def read_quant_config(path: Path) -> QuantConfig | None:
@@ -157,6 +174,7 @@ def load_prequantized(checkpoint: Checkpoint, qc: QuantConfig,
     cfg = checkpoint.config()
     weights = list(checkpoint.weights())
     pieces = _packed_pieces(weights)
+    _check_head(("lm_head", None) in pieces, qc, cfg.tie_word_embeddings)
     groups: dict[str, list[tuple[int, Int4Groups]]] = {}
     stand_ins = []
     for (module, part), piece in pieces.items():
@@ -170,12 +188,26 @@ def load_prequantized(checkpoint: Checkpoint, qc: QuantConfig,
     model = allocate(cfg, device, resolve_dtype(dtype, device), checkpoint.errors)
     fill(model, copies)
     for module, parts in groups.items():
-        _set_int4_layer(model, module, [t for _, t in sorted(parts, key=lambda p: p[0])])
+        _set_int4_layer(model, module, [t for _, t in sorted(parts, key=lambda p: p[0])], qc)
     model.quantization = f"{qc.method}-int4-g{qc.group_size}"
     return model.eval().requires_grad_(False)
 
 
-def _set_int4_layer(model: nn.Module, module: str, parts: list[Int4Groups]) -> None:
+def _check_head(packed: bool, qc: QuantConfig, tied: bool) -> None:
+    """A packed LM head only where ``quantization_config.lm_head`` says so (vLLM reads the
+    flag, not the tensors), and never in a model whose head is its embedding."""
+    if packed != qc.lm_head:
+        raise FormatError(f"lm_head: quantization_config.lm_head is {str(qc.lm_head).lower()} "
+                          f"but the checkpoint's lm_head is {'' if packed else 'not '}packed "
+                          "(qweight/qzeros/scales)")
+    if packed and tied:
+        raise FormatError("lm_head: packed, but config.json ties the head to the embedding "
+                          "(tie_word_embeddings), which is stored dense: one matrix cannot be "
+                          "both")
+
+
+def _set_int4_layer(model: nn.Module, module: str, parts: list[Int4Groups],
+                    qc: QuantConfig) -> None:
     """Module ``module`` becomes the engine's int4 layer of its pieces joined along the rows."""
     if any(not torch.equal(p.g_idx, parts[0].g_idx) for p in parts):
         raise FormatError(f"{module}: its pieces (q/k/v or gate/up) have different g_idx")
@@ -183,6 +215,7 @@ def _set_int4_layer(model: nn.Module, module: str, parts: list[Int4Groups]) -> N
                      ("qweight", "scales", "zeros")), parts[0].g_idx)
     old = model.get_submodule(module)
     bias = None if getattr(old, "bias", None) is None else old.bias.detach().clone()
-    layer = to_quantized_linear(t, bias, module).to(old.weight.device)
+    group = qc.layer_group_size(t.qweight.shape[1])
+    layer = to_quantized_linear(t, bias, module, group).to(old.weight.device)
     parent, _, attr = module.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, layer)
