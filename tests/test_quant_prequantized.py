@@ -1,7 +1,9 @@
 """GPTQ and AWQ checkpoint directories (``quantization_config``) through ``il.load``: written from
 a random-weight transformers model with the project's own GPTQ and AWQ's GEMM packing, loaded
 into the engine's int4, and run: the engine's greedy tokens are the dequantized dense model's
-(fp32) token for token, and every malformed config or tensor is refused by name."""
+(fp32) token for token, and every malformed config or tensor is refused by name. GPTQ's two
+other layouts, a short last group and act-order, load with every weight the checkpoint's bit for
+bit (checked against AutoGPTQ's formula written here), and so does a quantized LM head."""
 
 from __future__ import annotations
 
@@ -394,3 +396,17 @@ def test_a_quantized_head_of_a_tied_model_is_refused(source, tmp_path):
         _tamper(qdir, f"lm_head.{k}", v)
     with pytest.raises(FormatError, match=r"lm_head: packed, but config\.json ties the head"):
         il.load(qdir, device="cpu", dtype=torch.float32)
+
+
+def test_an_int4_layer_takes_only_a_permutation_of_its_inputs():
+    from infer_lab.model.quant.gptq_checkpoint import to_quantized_linear
+
+    t = gptq_int4(torch.randn(16, 64, generator=GEN), _hessian(64), GROUP, act_order=True)
+    layer = to_quantized_linear(t)
+    tensors = {k: getattr(layer, k) for k in ("qweight", "scale", "minimum")}
+    for perm in (torch.arange(64).flip(0)[:-1], torch.zeros(64, dtype=torch.long),
+                 torch.arange(64, dtype=torch.int32)):
+        with pytest.raises(QuantizationError, match="input_perm must be a permutation of the 64"):
+            QuantizedLinear("int4", tensors, 64, 16, None, GROUP, perm)
+    with pytest.raises(QuantizationError, match="input_perm is for int4 layers, not int8"):
+        QuantizedLinear("int8", {}, 64, 16, None, 0, torch.arange(64))
