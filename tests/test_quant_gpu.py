@@ -49,3 +49,23 @@ def test_quantized_model_on_gpu_close_to_its_reference_path(fmt):
             mod.impl = "reference"
     ref = model(ids).double()
     assert ((out - ref).pow(2).mean().sqrt() / ref.std()).item() <= 0.05
+
+
+@pytest.mark.parametrize("rows", [1, 200])
+def test_a_gptq_act_order_layer_with_a_short_last_group_on_gpu(rows):
+    """SmolLM2's 576 inputs at group 128 under act-order: groups of 64 and the activation's
+    columns gathered before the compiled Triton kernel, against the checkpoint's weight."""
+    from infer_lab.model.quant.gptq import gptq_int4
+    from infer_lab.model.quant.gptq_checkpoint import to_quantized_linear
+
+    torch.manual_seed(0)
+    w, x = torch.randn(1536, 576), torch.randn(256, 576)
+    x[:, :3] *= 10
+    t = gptq_int4(w, 2 * x.t() @ x / 256, 128, act_order=True)
+    layer = to_quantized_linear(t, None, "w", 128).cuda()
+    assert layer.group_size == 64 and layer.input_perm is not None
+    xs = torch.randn(rows, 576, device="cuda", dtype=torch.bfloat16)
+    out = qk.quant_linear(xs, layer, backend="triton")
+    ref = xs.double() @ t.dequantize().double().cuda().t()
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= TOL[torch.bfloat16], err
