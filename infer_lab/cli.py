@@ -53,11 +53,14 @@ def _serve(args: argparse.Namespace) -> int:
     from infer_lab import settings
     from infer_lab.engine.config import EngineConfig
     from infer_lab.serve.disagg import install_kv
+    from infer_lab.serve.kv_args import check_kv_arguments
     from infer_lab.serve.limits import ServerLimits
     from infer_lab.serve.server import make_app, serve
     from infer_lab.serve.template import load_chat_template
 
-    # checked before the model loads: a template that does not parse is a startup error
+    # checked before the model loads: KV flags the engine cannot honour (tensor parallelism) and
+    # a template that does not parse are startup errors
+    check_kv_arguments(args)
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     _threads(args)
     quantization = _serving_quantization(args)

@@ -56,13 +56,25 @@ def refuse_eagle(engine: LLMEngine, what: str) -> None:
                          "outside carry K/V but not the target features the head drafts from")
 
 
+def refuse_tensor_parallel(engine: LLMEngine, what: str) -> None:
+    """Refuse K/V moved as bytes for an engine with tensor-parallel ranks.
+
+    Each rank holds its own KV heads of every block in its own process; the bytes read or
+    written here are rank 0's cache only. A tier or a transfer would carry part of each block
+    and leave the other ranks' part stale: wrong K/V, silently. Refused, not degraded.
+    """
+    if engine.executor.is_tensor_parallel:
+        raise ValueError(f"{what} is not supported with tensor parallelism "
+                         f"(--tensor-parallel-size {engine.config.tensor_parallel_size}): each "
+                         "rank holds its own KV heads of every block, and only rank 0's would "
+                         "be moved")
+
+
 def attach_kv_tier(engine: LLMEngine, root: str | os.PathLike, capacity_bytes: int) -> KVTier:
     """Give ``engine`` a second KV tier: files under ``root``, at most ``capacity_bytes``."""
     if not engine.kv.enable_prefix_caching:
         raise ValueError("a KV tier needs prefix caching (continuous policy, caching on)")
-    if engine.executor.is_tensor_parallel:
-        raise ValueError("a KV tier is not supported with tensor parallelism (each rank holds "
-                         "part of a block)")
+    refuse_tensor_parallel(engine, "a KV tier")
     refuse_eagle(engine, "a KV tier")
     store = KVByteStore(root, capacity_bytes, engine_namespace(engine))
     tier = KVTier(engine.kv.pool, engine.runner.cache, store)
@@ -124,6 +136,7 @@ def inject_blocks(engine: LLMEngine, token_ids: Sequence[int],
     cached here are kept as they are. Returns how many of the prompt's leading full blocks are
     cached here afterwards (the receiver computes the rest).
     """
+    refuse_tensor_parallel(engine, "receiving KV blocks")
     refuse_eagle(engine, "receiving KV blocks")
     pool, cache = engine.kv.pool, engine.runner.cache
     if not pool.enable_caching:
@@ -159,6 +172,7 @@ def stage_partial_block(engine: LLMEngine, request_id: str, token_ids: Sequence[
     ``num_full`` full blocks (its parent key is the last of theirs) with the prompt's own tokens
     (compared one by one: a partial block has no key), and leaves the last token to compute.
     Returns the tokens it will cover (0: not taken)."""
+    refuse_tensor_parallel(engine, "receiving KV blocks")
     refuse_eagle(engine, "receiving KV blocks")
     kv, size = engine.kv, engine.config.block_size
     if not kv.enable_prefix_caching:

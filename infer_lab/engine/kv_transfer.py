@@ -50,6 +50,7 @@ from infer_lab.engine.kv_connector import (
     engine_namespace,
     hold_finished_blocks,
     pin_prompt_blocks,
+    refuse_tensor_parallel,
 )
 from infer_lab.engine.kv_partial import PartialBlock
 from infer_lab.engine.sequence import Sequence as EngineSequence
@@ -124,6 +125,7 @@ class KVTransferServer:
                  schedule_poll: Callable[[Callable[[], None]], None] | None = None) -> None:
         if not token:
             raise ValueError("the KV transfer endpoint needs a shared token")
+        refuse_tensor_parallel(engine, "a KV transfer endpoint")
         self.engine, self.token, self.allow = engine, token, frozenset(allow)
         self.pin_timeout_s = pin_timeout_s
         self.max_pinned_blocks = (engine.kv.num_blocks // 2 if max_pinned_blocks is None

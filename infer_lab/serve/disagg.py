@@ -46,6 +46,7 @@ from infer_lab.engine.kv_connector import (
     engine_namespace,
     inject_blocks,
     refuse_eagle,
+    refuse_tensor_parallel,
     stage_partial_block,
 )
 from infer_lab.engine.kv_transfer import (
@@ -78,6 +79,7 @@ class KVRoleConfig:
     allow: tuple[str, ...] = ("127.0.0.1", "::1")  # who may connect to the endpoint
     pin_timeout_s: float = 30.0
     pull_timeout_s: float = 10.0
+    max_pinned_blocks: int | None = None  # None: half the pool (KVTransferServer's default)
     on_failure: str = "recompute"  # or "error"
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -88,6 +90,11 @@ class KVRoleConfig:
             raise ValueError(f"a KV role needs a shared token in ${TOKEN_ENV}")
         if self.on_failure not in ("recompute", "error"):
             raise ValueError("--kv-on-failure must be recompute or error")
+        if self.max_pinned_blocks is not None and self.max_pinned_blocks < 0:
+            raise ValueError(f"--kv-max-pinned-blocks must be 0 or more, got "
+                             f"{self.max_pinned_blocks}")
+        if not self.pin_timeout_s > 0 or not self.pull_timeout_s > 0:
+            raise ValueError("--kv-pin-timeout and --kv-pull-timeout must be positive")
 
     @property
     def produces(self) -> bool:
@@ -116,6 +123,7 @@ class KVDisagg:
 
     def __init__(self, engine: AsyncEngine, config: KVRoleConfig) -> None:
         self.engine, self.config = engine, config
+        refuse_tensor_parallel(engine.engine, f"--kv-role {config.role}")
         if config.consumes:
             refuse_eagle(engine.engine, f"--kv-role {config.role}")
         self.namespace = engine_namespace(engine.engine)
@@ -123,7 +131,7 @@ class KVDisagg:
         if config.produces:
             self.endpoint = KVTransferServer(
                 engine.engine, config.token, config.host, config.port, config.allow,
-                config.pin_timeout_s, schedule_poll=self._schedule)
+                config.pin_timeout_s, config.max_pinned_blocks, schedule_poll=self._schedule)
         self.pulled_blocks = 0
         self.failed_pulls = 0
 
@@ -326,7 +334,8 @@ def install_kv(app: FastAPI, args: argparse.Namespace) -> None:
         args.kv_role, settings.KV_TOKEN.get(), args.kv_transfer_host,
         args.kv_transfer_port, peers=frozenset(_peers(args.kv_peers)),
         allow=tuple(a for a in args.kv_allow.split(",") if a),
-        pin_timeout_s=args.kv_pin_timeout, on_failure=args.kv_on_failure)
+        pin_timeout_s=args.kv_pin_timeout, pull_timeout_s=args.kv_pull_timeout,
+        max_pinned_blocks=args.kv_max_pinned_blocks, on_failure=args.kv_on_failure)
     app.state.kv_disagg = KVDisagg(engine, config)
 
 
