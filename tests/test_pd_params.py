@@ -119,3 +119,22 @@ def test_a_prefill_worker_refuses_a_streamed_first_stage_and_answers_a_whole_one
             assert len(params["remote_block_ids"]) == -(-(prompt_tokens - 1) // 16)
     finally:
         app.state.kv_disagg.close()
+
+
+@pytest.mark.parametrize("flags", [["--kv-role", "prefill"], ["--kv-role", "decode"],
+                                   ["--kv-tier-dir", "/nonexistent/tier"]])
+def test_serve_refuses_kv_flags_with_tensor_parallelism_before_loading(flags, capsys,
+                                                                        monkeypatch):
+    """Each rank holds its own KV heads: the tier and the transfer would move rank 0's only.
+    A startup error that names the flag, before any model loads or worker process starts."""
+    from infer_lab import cli
+
+    def no_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("infer_lab.serve.server.make_app", no_load)
+    monkeypatch.setenv("INFER_LAB_KV_TOKEN", "t")
+    assert cli.main(["serve", "--device", "cpu", "--tensor-parallel-size", "2", *flags]) == 1
+    err = capsys.readouterr().err
+    assert f"infer-lab: error: {flags[0]} is not supported with --tensor-parallel-size 2" in err
+    assert "only rank 0's would be moved" in err

@@ -205,6 +205,46 @@ def test_smollm2_tp3_greedy_equals_one_process() -> None:
         assert_greedy_equal(a, b, logits_after(single.model, tok.encode(p)))
 
 
+def test_moving_kv_as_bytes_is_refused_with_tensor_parallelism(tmp_path) -> None:
+    """Chapter 13's tier and transfer read and write rank 0's cache only; each other rank holds
+    its own KV heads of every block. Moving part of a block would leave stale K/V on the other
+    ranks (wrong tokens), so every entry point refuses a tensor-parallel engine, by name."""
+    from types import SimpleNamespace
+
+    import infer_lab as il
+    from infer_lab.engine.kv_connector import (
+        attach_kv_tier,
+        inject_blocks,
+        stage_partial_block,
+    )
+    from infer_lab.engine.kv_partial import PartialBlock
+    from infer_lab.engine.kv_transfer import KVTransferServer
+    from infer_lab.serve.disagg import KVDisagg, KVRoleConfig
+    from tests.engine_fixtures import assert_no_leak
+
+    with il.LLM(device="cpu", dtype="float32", tensor_parallel_size=2, num_kv_blocks=16) as llm:
+        engine = llm.engine
+        why = "not supported with tensor parallelism .--tensor-parallel-size 2.: each rank"
+        with pytest.raises(ValueError, match=f"a KV tier is {why}"):
+            attach_kv_tier(engine, tmp_path, 1 << 20)
+        assert engine.kv.tier is None and not list(tmp_path.iterdir())
+        with pytest.raises(ValueError, match=f"a KV transfer endpoint is {why}"):
+            KVTransferServer(engine, "token")
+        assert engine.kv.on_finished is None  # nothing was hooked
+        with pytest.raises(ValueError, match=f"receiving KV blocks is {why}"):
+            inject_blocks(engine, list(range(40)), [(bytes(32), b"")])
+        with pytest.raises(ValueError, match=f"receiving KV blocks is {why}"):
+            stage_partial_block(engine, "r", list(range(40)), 0, PartialBlock([1], bytes(32), b""))
+        for role in ("prefill", "decode", "both"):
+            with pytest.raises(ValueError, match=f"--kv-role {role} is {why}"):
+                KVDisagg(SimpleNamespace(engine=engine), KVRoleConfig(role, "token"))
+        # the engine itself is unharmed and still answers
+        out = llm.generate(["And God said,"], il.SamplingParams(max_tokens=4, temperature=0.0),
+                           use_tqdm=False)[0]
+        assert len(out.token_ids) == 4
+        assert_no_leak(engine)
+
+
 def test_bad_tp_size_is_refused_before_any_process_starts() -> None:
     import infer_lab as il
 
