@@ -47,6 +47,11 @@ def test_a_role_needs_a_token_and_a_known_role():
         KVRoleConfig("prefill", "")
     with pytest.raises(ValueError, match="kv-role"):
         KVRoleConfig("producer", "t")
+    with pytest.raises(ValueError, match="--kv-max-pinned-blocks must be 0 or more, got -1"):
+        KVRoleConfig("prefill", "t", max_pinned_blocks=-1)
+    for bad in ({"pin_timeout_s": 0.0}, {"pull_timeout_s": -1.0}, {"pull_timeout_s": float("nan")}):
+        with pytest.raises(ValueError, match="must be positive"):
+            KVRoleConfig("decode", "t", **bad)
 
 
 def test_the_flags_parse():
@@ -56,6 +61,9 @@ def test_the_flags_parse():
     add_kv_arguments(parser)
     args = parser.parse_args(["--kv-role", "decode", "--kv-peers", "127.0.0.1:5,[::1]:6"])
     assert args.kv_role == "decode" and args.kv_transfer_host == "127.0.0.1"
+    assert args.kv_max_pinned_blocks is None and args.kv_pull_timeout == 10.0  # the defaults
+    args = parser.parse_args(["--kv-max-pinned-blocks", "7", "--kv-pull-timeout", "2.5"])
+    assert (args.kv_max_pinned_blocks, args.kv_pull_timeout) == (7, 2.5)
 
 
 def test_a_server_without_a_kv_role_refuses_the_params():
