@@ -22,6 +22,7 @@ from infer_lab.serve.server import make_app
 from infer_lab.serve.tool_formats import FORMATS, call_format
 from infer_lab.serve.tools import auto_plan
 from tests.live_server import metric, running, wait_for
+from tests.tool_helpers import accumulate
 
 MODEL = "tiny-kjv"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -146,13 +147,9 @@ def steer(app, client):
 
 
 def stream(client, **kw) -> tuple[str, list, str | None]:
-    content, calls, reason = "", [], None
-    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **kw):
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            calls += c.delta.tool_calls or []
-            reason = c.finish_reason or reason
-    return content, calls, reason
+    """The streamed content, calls (put together by index) and last finish reason."""
+    return accumulate(client.chat.completions.create(model=MODEL, messages=ASK, stream=True,
+                                                     **kw))
 
 
 def fmt_of(app) -> str:
@@ -175,8 +172,8 @@ def test_calls_in_the_servers_format_become_tool_calls(app, client, server, stee
     content, calls, reason = stream(client, **kw)
     assert reason == "tool_calls" and content.strip() == "Let me look."
     assert not any(m in content for m in MARKUP)
-    assert [(d.function.name, json.loads(d.function.arguments)) for d in calls] == want
-    assert [d.index for d in calls] == list(range(len(want)))
+    assert [(d["name"], json.loads(d["arguments"])) for d in calls] == want
+    assert len({d["id"] for d in calls}) == len(want) and all(d["id"] for d in calls)
     assert wait_for(lambda: metric(server, "kv_cache_blocks_used") == 0, 30)
 
 

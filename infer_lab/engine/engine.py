@@ -242,7 +242,8 @@ class LLMEngine:
             generator = torch.Generator(device=self.model.device)
             generator.manual_seed(sample_seed(params.seed, index))
         if params.detokenize:
-            detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids)
+            detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids,
+                                                     keep=params.keep_special_token_ids)
         seq = Sequence(next(self._seq_ids), request, index, token_ids,
                        len(request.prompt_token_ids), generator, detokenizer)
         if params.structured_outputs is not None:

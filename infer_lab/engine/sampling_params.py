@@ -61,6 +61,8 @@ class SamplingParams:
       ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_LEN`` characters);
       ``stop_token_ids``: extra token ids that end it; ``ignore_eos``: keep going past EOS.
     - ``detokenize``: build the text (off only for measuring the engine without the tokenizer).
+      ``keep_special_token_ids``: special tokens whose text stays in it although the others
+      are skipped (a tool-call marker that is one special token: the server's parser reads it).
     - ``structured_outputs``: a :class:`~infer_lab.engine.structured.StructuredOutputsParams`
       (JSON Schema, JSON object, regex, choice or grammar): every token is chosen among those
       that keep the output valid (constrained decoding; no speculation for such a request).
@@ -85,6 +87,7 @@ class SamplingParams:
     ignore_eos: bool = False
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    keep_special_token_ids: frozenset[int] | Sequence[int] = frozenset()
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     max_stop_len: int = field(init=False, repr=False)  # text a stream holds back
     # The ids ``min_tokens`` holds back: the engine sets them when the request is added (its
@@ -105,6 +108,8 @@ class SamplingParams:
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.all_stop_token_ids = frozenset(self.stop_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
+        self.keep_special_token_ids = frozenset(
+            _integer("keep_special_token_ids", t) for t in self.keep_special_token_ids)
         if self.min_tokens and self.structured_outputs is not None:
             raise ValueError("min_tokens cannot be combined with structured_outputs: the "
                              "grammar decides where the output ends")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -363,6 +363,9 @@ class Tokenizer:
 
         self.chat_template: str | None = chat_template
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        # what skip_special_tokens drops: the added tokens marked special
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
         # transformers v5 ignores clean_up_tokenization_spaces for BPE models (it corrupts them).
         self.clean_up_tokenization_spaces: bool = bool(
@@ -491,10 +494,23 @@ class Tokenizer:
         return [e.ids for e in self._tok.encode_batch(list(texts),
                                                       add_special_tokens=add_special_tokens)]
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Ids -> text, as `transformers`' `decode` (with its space clean-up where it applies)."""
-        text = self._raw_decode(_as_int_list(ids), skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               keep: Collection[int] = ()) -> str:
+        """Ids -> text, as `transformers`' `decode` (with its space clean-up where it applies).
+        `keep`: special tokens whose text stays although `skip_special_tokens` drops the others
+        (a tool-call marker that is one special token, which the parser must see)."""
+        ids = _as_int_list(ids)
+        if skip_special_tokens and keep:
+            text = self._raw_decode(self.skipping(ids, keep), False)
+        else:
+            text = self._raw_decode(ids, skip_special_tokens)
         return _clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
+
+    def skipping(self, ids: list[int], keep: Collection[int]) -> list[int]:
+        """`ids` less the special tokens not in `keep`: decoding them with the special tokens
+        kept is decoding `ids` with them skipped, `keep` excepted (`tokenizers` drops skipped
+        tokens before its decoder runs, so the rest decodes alike)."""
+        return [t for t in ids if t in keep or t not in self.special_ids]
 
     def _raw_decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -546,10 +562,12 @@ class Tokenizer:
         return variables
 
     def detokenizer(
-        self, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
+        self, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True,
+        keep: Collection[int] = (),
     ) -> IncrementalDetokenizer:
-        """A fresh streaming detokenizer; give it the prompt so the first token's text is right."""
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+        """A fresh streaming detokenizer; give it the prompt so the first token's text is right
+        (`keep`: special tokens whose text stays, as in `decode`)."""
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens, keep)
 
     def __repr__(self) -> str:
         return (
@@ -579,7 +597,8 @@ class IncrementalDetokenizer:
     a few tokens long for valid UTF-8; it only grows across a run of bytes that never form a
     character, and `flush` emits those as U+FFFD, as `decode` does.
 
-    Invariant (tested): `"".join(add(t) for t in ids) + flush() == tokenizer.decode(ids)`.
+    Invariant (tested): `"".join(add(t) for t in ids) + flush() == tokenizer.decode(ids)` (with
+    the same `skip_special_tokens` and `keep`).
     One exception: in a ByteFallback tokenizer, an invalid `<0x..>` byte token turns the *whole*
     preceding run of byte tokens into U+FFFD in `decode`, even the characters already streamed;
     for valid UTF-8 output the two always agree.
@@ -590,9 +609,11 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_ids: Sequence[int] | None = None,
         skip_special_tokens: bool = True,
+        keep: Collection[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._keep = frozenset(keep) if skip_special_tokens else frozenset()
         self._ids: list[int] = _as_int_list(prompt_ids) if prompt_ids is not None else []
         self._read = len(self._ids)  # ids before this have been emitted (or are the prompt)
         self._prefix = max(0, self._read - _PROMPT_CONTEXT_TOKENS)  # window start
@@ -612,6 +633,9 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
 
     def _decode(self, start: int, stop: int | None = None) -> str:
+        if self._keep:
+            ids = self._tokenizer.skipping(self._ids[start:stop], self._keep)
+            return self._tokenizer._raw_decode(ids, False)
         return self._tokenizer._raw_decode(self._ids[start:stop], self._skip)
 
     def add(self, token_id: int) -> str:

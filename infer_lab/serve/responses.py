@@ -250,8 +250,9 @@ def chunk_choice(shape: Shape, c: CompletionOutput, first: bool,
 
 def _auto_chunk(shape: Shape, c: CompletionOutput, first: bool,
                 lp: dict[str, Any] | None) -> dict[str, Any]:
-    """A streamed "auto" chunk: the text that cannot be part of a call, and each call whole
-    once it is complete; the markup of a call never reaches the client."""
+    """A streamed "auto" chunk: the text that cannot be part of a call, and each call as it
+    is written (its name, then its arguments piece by piece); the markup of a call never
+    reaches the client."""
     state = shape.tool_streams.setdefault(c.index, ToolStream())
     content, calls = state.delta(shape.tools, c.delta_text, c.finish_reason is not None,
                                  shape.call_id(c.index))

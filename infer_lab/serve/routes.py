@@ -164,7 +164,8 @@ async def chat(request: Request, server: Server) -> Any:
     wanted = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(server, body, wanted or max(1, server.context - len(ids)), top,
-                             constraint)
+                             constraint, keep=server.tool_marker_ids if plan and plan.auto
+                             else frozenset())
     shape = Shape(new_id("chatcmpl"), True, server.model_name, server.tokenizer, top,
                   include_usage(body), body.return_tokens_as_token_ids, tools=plan)
     return await run(request, server, shape, ids, params, body.stream, kv)
@@ -227,11 +228,14 @@ def sampling_params(server: ServerState, body: SamplingFields, max_tokens: int,
                     logprobs: int | None,
                     constraint: StructuredOutputsParams | None = None,
                     prompt_logprobs: int | None = None, prompt_len: int = 0,
-                    num_prompts: int = 1) -> SamplingParams:
+                    num_prompts: int = 1, keep: frozenset[int] = frozenset()) -> SamplingParams:
     """The engine's parameters; only non-neutral extras are passed (an engine without penalties
     or logprobs then refuses exactly the requests that need them). The log-probability volume
-    is bounded per HTTP request: n samples of each of ``num_prompts`` prompts."""
+    is bounded per HTTP request: n samples of each of ``num_prompts`` prompts. ``keep``: the
+    special tokens whose text the output keeps (tool-call markers)."""
     extra: dict[str, Any] = {}
+    if keep:
+        extra["keep_special_token_ids"] = keep
     if constraint is not None:
         extra["structured_outputs"] = constraint
     if logprobs is not None:

@@ -59,6 +59,8 @@ class ServerState:
             longest = max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
             self.max_prompt_bytes = self.context * max(1, longest) * _NORMALIZER_SLACK
         self.tool_format: CallFormat = call_format(self.tool_call_parser)
+        # the format's markers that are one special token: "auto" requests keep their text
+        self.tool_marker_ids = self.tool_format.special_marker_ids(self.tokenizer)
         self.engine.engine.structured.limits = self.limits.grammar_limits()
         self.renderer = TemplateRenderer(self.tokenizer, timeout=self.limits.template_timeout,
                                          max_bytes=self.max_prompt_bytes,

@@ -19,10 +19,16 @@ an output into text and calls.
 
       [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
-The markers are matched as text: the engine's detokenizer skips special tokens, so a model whose
-marker is a special token (Mistral's own ``[TOOL_CALLS]`` token) would need the grammar to
-trigger on that token and the output to keep it, which is not done; ``<|python_tag|>`` is
-optional in the Llama 3 format, and dropped from the content when written as text.
+A marker may be one special token of the model's tokenizer (Mistral's ``[TOOL_CALLS]``, Llama
+3's ``<|python_tag|>``): :meth:`CallFormat.special_marker_ids` names those, and the server asks
+the engine's detokenizer to keep their text although it skips special tokens, so the parser sees
+the same text either way. XGrammar reads a token by its text, so the one token is the trigger as
+much as the characters spelled out are (``tests/test_server_tool_markers.py``).
+
+A stream sends each call as it is written, as vLLM's tool parsers do (:meth:`CallFormat.scan`,
+:meth:`CallFormat.opened`): the name once it is written, then the arguments' text as it grows.
+The arguments of a call are the text of the JSON value as the model wrote it, so the pieces a
+stream sends add up to exactly what the whole answer gives.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import json
 import re
 from typing import Any
 
-Call = dict[str, str]  # {"name": ..., "arguments": <JSON text>}
+Call = dict[str, str]  # {"name": ..., "arguments": <JSON text, as the model wrote it>}
 _WS = re.compile(r"\s*")
 
 
@@ -43,6 +49,13 @@ class CallFormat:
     name = ""
     trigger = ""
     markers: tuple[str, ...] = ()
+    tokens: tuple[str, ...] = ()  # markup a tokenizer may hold as one special token
+
+    def special_marker_ids(self, tokenizer: Any) -> frozenset[int]:
+        """The ids of the markup that is one special token of ``tokenizer``: its detokenizer
+        must keep their text (it skips special tokens) for the calls to be parsed."""
+        ids = (tokenizer.token_to_id(t) for t in self.tokens)
+        return frozenset(i for i in ids if i is not None and i in tokenizer.special_ids)
 
     def teach(self) -> str:
         """The sentence of the default tool prompt that spells out the format."""
@@ -62,6 +75,12 @@ class CallFormat:
         while they are not complete (or, finished, were cut off)."""
         raise NotImplementedError
 
+    def opened(self, text: str, start: int) -> list[Call]:
+        """The calls begun at ``start`` (a trigger whose calls are not complete) as far as they
+        are written: each once its name is, with the part of its arguments written so far (a
+        prefix of what :meth:`parse_at` will give)."""
+        raise NotImplementedError
+
     def text(self, segment: str, after_call: bool, final: bool) -> str:
         """A stretch of text outside calls as content (``after_call``: it follows a call;
         ``final``: nothing more will be appended to it)."""
@@ -71,19 +90,24 @@ class CallFormat:
         """The text outside calls and the complete calls. Text from a call not yet complete,
         or (``finished`` False) a trailing prefix of a marker, is held back; a finished
         output's unfinished call is dropped."""
+        content, calls, _ = self.scan(text, finished)
+        return content, calls
+
+    def scan(self, text: str, finished: bool) -> tuple[str, list[Call], int | None]:
+        """:meth:`split`, and where the calls not yet complete begin (None: there are none)."""
         content, calls, at = [], [], 0
         while (start := text.find(self.trigger, at)) >= 0:
             content.append(self.text(text[at:start], bool(calls), True))
             found, end = self.parse_at(text, start)
             if found is None:
-                return "".join(content), calls
+                return "".join(content), calls, None if finished else start
             calls += found
             at = end
         tail = self.text(text[at:], bool(calls), finished)
         if not finished:
             tail = tail[: len(tail) - _marker_prefix(tail, self.markers)]
         content.append(tail)
-        return "".join(content), calls
+        return "".join(content), calls, None
 
 
 def _marker_prefix(text: str, markers: tuple[str, ...]) -> int:
@@ -112,10 +136,57 @@ def _call(name: str, arguments: Any) -> Call:
     return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
 
 
+def _written(text: str, at: int) -> tuple[int, bool]:
+    """How much of the JSON value at ``at`` is surely written: (its end, True) once complete,
+    else (where the text that is surely part of it ends, False). An object, array or string is
+    sent as it grows; a bare number, ``true``, ``false`` or ``null`` only whole (its end shows
+    only in what follows). Validity is the grammar's business: this only counts brackets."""
+    depth, in_string, escaped = 0, False, False
+    if at >= len(text) or text[at] not in '{["':
+        return at, False
+    for i in range(at, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                if depth == 0:
+                    return i + 1, True
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1, True
+    return len(text), False
+
+
+def _open_call(name: str, text: str, at: int) -> Call:
+    """A call whose arguments begin at ``at`` (after whitespace), as far as they are written."""
+    start = _WS.match(text, at).end()
+    return {"name": name, "arguments": text[start:_written(text, start)[0]]}
+
+
+def _raw_call(name: str, text: str, at: int) -> tuple[Call, int] | None:
+    """The call whose arguments are the JSON value at ``at`` (after whitespace), its arguments
+    the value's text as written, and where it ends; None if it is not (yet) complete."""
+    start = _WS.match(text, at).end()
+    found = _arguments(text, start)
+    if found is None:
+        return None
+    return {"name": name, "arguments": text[start:found[1]]}, found[1]
+
+
 class Hermes(CallFormat):
     name = "hermes"
     trigger = "<tool_call>"
     markers = (trigger,)
+    tokens = (trigger, "</tool_call>")
     end = "}\n</tool_call>"
     _head = re.compile(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
 
@@ -139,10 +210,14 @@ class Hermes(CallFormat):
 
     def parse_at(self, text: str, start: int) -> tuple[list[Call] | None, int]:
         m = self._head.match(text, start + len(self.trigger))
-        found = _arguments(text, m.end()) if m else None
+        found = _raw_call(m.group(1), text, m.end()) if m else None
         if found is None or not text.startswith(self.end, found[1]):
             return None, start
-        return [_call(m.group(1), found[0])], found[1] + len(self.end)
+        return [found[0]], found[1] + len(self.end)
+
+    def opened(self, text: str, start: int) -> list[Call]:
+        m = self._head.match(text, start + len(self.trigger))
+        return [_open_call(m.group(1), text, m.end())] if m else []
 
 
 class Llama3Json(CallFormat):
@@ -150,6 +225,7 @@ class Llama3Json(CallFormat):
     trigger = '{"name": '
     python_tag = "<|python_tag|>"
     markers = (trigger, python_tag)
+    tokens = (python_tag,)
     _head = re.compile(r'"([A-Za-z0-9_-]{1,64})", "(?:parameters|arguments)": ')
     _separator = re.compile(r"\s*;\s*")
 
@@ -173,13 +249,17 @@ class Llama3Json(CallFormat):
 
     def parse_at(self, text: str, start: int) -> tuple[list[Call] | None, int]:
         m = self._head.match(text, start + len(self.trigger))
-        found = _arguments(text, m.end()) if m else None
+        found = _raw_call(m.group(1), text, m.end()) if m else None
         if found is None:
             return None, start
         close = _WS.match(text, found[1]).end()
         if not text.startswith("}", close):
             return None, start
-        return [_call(m.group(1), found[0])], close + 1
+        return [found[0]], close + 1
+
+    def opened(self, text: str, start: int) -> list[Call]:
+        m = self._head.match(text, start + len(self.trigger))
+        return [_open_call(m.group(1), text, m.end())] if m else []
 
     def text(self, segment: str, after_call: bool, final: bool) -> str:
         """Without ``<|python_tag|>`` and, after a call, the ``;`` that separates calls
@@ -197,6 +277,10 @@ class Mistral(CallFormat):
     name = "mistral"
     trigger = "[TOOL_CALLS]"
     markers = (trigger,)
+    tokens = (trigger,)
+    # a call as the grammar writes it, up to its arguments (whose text is then kept as written)
+    _item = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:')
+    _next = re.compile(r"\s*([,\]])")
 
     def teach(self) -> str:
         return ('To call functions, write [TOOL_CALLS] and then a JSON list of calls: '
@@ -221,16 +305,44 @@ class Mistral(CallFormat):
                 "at_least_one": False, "stop_after_first": True}
 
     def parse_at(self, text: str, start: int) -> tuple[list[Call] | None, int]:
-        found = _arguments(text, start + len(self.trigger))
-        if found is None or not isinstance(found[0], list) or not found[0]:
+        items, end = self._items(text, start)
+        if end is None:
             return None, start
-        calls = []
-        for item in found[0]:
+        return [call for call, _ in items], end
+
+    def opened(self, text: str, start: int) -> list[Call]:
+        return [call for call, _ in self._items(text, start)[0]]
+
+    def _items(self, text: str, start: int) -> tuple[list[tuple[Call, bool]], int | None]:
+        """The calls of the list after the marker at ``start`` as far as they are written,
+        each with whether it is complete, and where the list ends (None while it is open, or
+        if it is not a non-empty list of calls). A call written as the grammar writes it keeps
+        its arguments' text and shows as it grows; another one (keys in another order) only
+        once complete, its arguments re-serialized."""
+        at = _WS.match(text, start + len(self.trigger)).end()
+        if not text.startswith("[", at):
+            return [], None
+        items: list[tuple[Call, bool]] = []
+        at += 1
+        while True:
+            at = _WS.match(text, at).end()
+            m = self._item.match(text, at)
+            whole = _arguments(text, at)
+            call = _open_call(m.group(1), text, m.end()) if m else None
+            if whole is None:
+                return items + ([(call, False)] if call else []), None
+            item, at = whole
             if not (isinstance(item, dict) and isinstance(item.get("name"), str)
                     and "arguments" in item):
-                return None, start
-            calls.append(_call(item["name"], item["arguments"]))
-        return calls, found[1]
+                return items, None
+            raw = _raw_call(m.group(1), text, m.end()) if m else None
+            items.append((raw[0] if raw else _call(item["name"], item["arguments"]), True))
+            follows = self._next.match(text, at)
+            if follows is None:
+                return items, None
+            at = follows.end()
+            if follows.group(1) == "]":
+                return items, at
 
 
 FORMATS: dict[str, CallFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral())}

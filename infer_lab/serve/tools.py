@@ -18,8 +18,10 @@
   written), and ``parallel_tool_calls: false`` allows one call only. The server splits
   the output into the text outside calls (``content``) and the calls (``tool_calls``,
   ``finish_reason: "tool_calls"``); a stream holds back any text that may be the start of a
-  call, so the markup never reaches the client (:class:`ToolStream`). A call cut off by
-  ``max_tokens`` is dropped, with ``finish_reason: "length"``.
+  call, so the markup never reaches the client, and sends each call as it is written: its
+  name, then its arguments piece by piece (:class:`ToolStream`). A call cut off by
+  ``max_tokens`` is dropped from the whole answer, with ``finish_reason: "length"`` (a stream
+  has sent the part written).
 - ``tool_choice`` "none": the tools are not offered; the model answers in text.
 
 How the model is told about the tools (:func:`tool_prompt`): when the chat template has a tools
@@ -102,27 +104,38 @@ class ToolPlan:
 
 @dataclass
 class ToolStream:
-    """One streamed choice of an "auto" request: its text so far, and how much of its
-    content and how many calls were sent."""
+    """One streamed choice of an "auto" request: its text so far, how much of its content was
+    sent, and each call's arguments sent so far."""
 
     text: str = ""
     sent_content: int = 0
-    sent_calls: int = 0
-    calls: list[dict[str, str]] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)  # per call begun: its arguments sent
+    calls: list[dict[str, str]] = field(default_factory=list)  # the complete calls
 
     def delta(self, plan: ToolPlan, new_text: str, finished: bool,
               call_id: str) -> tuple[str, list[dict[str, Any]]]:
-        """This chunk's content and its newly completed calls (OpenAI's delta shape)."""
+        """This chunk's content and its call deltas (OpenAI's shape, as vLLM streams them): a
+        call's first delta carries its ``index``, ``id``, ``type``, name and the arguments
+        written so far; the next ones (``index`` and ``function.arguments`` only) the text its
+        arguments grew by, so that they add up to the whole answer's arguments. A call the
+        output leaves unfinished (``max_tokens``) has sent only a part of its arguments."""
         self.text += new_text
-        content, calls, _ = plan.split(self.text, finished)
+        content, calls, open_at = plan.format.scan(self.text, finished)
         out_text = content[self.sent_content:]
         self.sent_content = len(content)
-        deltas = []
-        for k in range(self.sent_calls, len(calls)):
-            deltas.append({"index": k, "id": f"{call_id}_{k}", "type": "function",
-                           "function": calls[k]})
-        self.sent_calls = len(calls)
         self.calls = calls
+        begun = calls + (plan.format.opened(self.text, open_at) if open_at is not None else [])
+        deltas: list[dict[str, Any]] = []
+        for k, call in enumerate(begun):
+            arguments = call["arguments"]
+            if k == len(self.sent):
+                deltas.append({"index": k, "id": f"{call_id}_{k}", "type": "function",
+                               "function": {"name": call["name"], "arguments": arguments}})
+                self.sent.append(arguments)
+            elif arguments != self.sent[k] and arguments.startswith(self.sent[k]):
+                deltas.append({"index": k, "function": {
+                    "arguments": arguments[len(self.sent[k]):]}})
+                self.sent[k] = arguments
         return out_text, deltas
 
 

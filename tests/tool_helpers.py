@@ -1,0 +1,66 @@
+"""Helpers for the tool-calling tests: reading a stream of tool-call deltas the way a client
+does, and a copy of the bundled model whose tokenizer has the tool-call markers as special
+tokens (as Mistral's and Llama 3's real tokenizers do)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from infer_lab.model.loader import BUNDLED_MODEL_DIR
+
+# The two markers, each put in place of a token nothing else is built from (the last merges of
+# the bundled BPE vocabulary: " overth", " overl"), so the model, whose vocabulary is full, can
+# write them as one token.
+MARKER_TOKENS = {"[TOOL_CALLS]": "Ġoverth", "<|python_tag|>": "Ġoverl"}
+
+
+def accumulate(chunks: Any) -> tuple[str, list[dict[str, Any]], str | None]:
+    """The content, the calls and the last finish reason of streamed chunks (``openai``
+    objects), each call ``{"id", "name", "arguments", "pieces", "first"}`` put together by its
+    ``index`` as OpenAI's streaming spec says (``pieces``: its argument fragments; ``first``:
+    its first delta as sent)."""
+    content, calls, reason = "", [], None
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                if d.index == len(calls):
+                    calls.append({"id": d.id, "name": d.function.name, "arguments": "",
+                                  "pieces": [], "first": d.model_dump()})
+                call = calls[d.index]
+                if d.function and d.function.arguments:
+                    call["arguments"] += d.function.arguments
+                    call["pieces"].append(d.function.arguments)
+            reason = c.finish_reason or reason
+    return content, calls, reason
+
+
+def strict(tool: dict[str, Any]) -> dict[str, Any]:
+    """``tool`` marked ``strict``: what the ``openai`` client's stream helper needs to
+    assemble and parse calls (the server's calls follow the schema either way)."""
+    return {**tool, "function": {**tool["function"], "strict": True}}
+
+
+def marker_model(path: Path) -> Path:
+    """The bundled model at ``path`` (its files linked) with ``[TOOL_CALLS]`` and
+    ``<|python_tag|>`` as special added tokens of its tokenizer, in the ids of two tokens that
+    no merge builds on (their merges dropped)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for f in BUNDLED_MODEL_DIR.iterdir():
+        if f.name != "tokenizer.json":
+            os.symlink(f, path / f.name)
+    data = json.loads((BUNDLED_MODEL_DIR / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    for marker, old in MARKER_TOKENS.items():
+        assert not any(old in m for m in merges if "".join(m) != old)  # nothing builds on it
+        token_id = vocab.pop(old)
+        vocab[marker] = token_id
+        data["model"]["merges"] = merges = [m for m in merges if "".join(m) != old]
+        data["added_tokens"].append({"id": token_id, "content": marker, "single_word": False,
+                                     "lstrip": False, "rstrip": False, "normalized": False,
+                                     "special": True})
+    (path / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return path
