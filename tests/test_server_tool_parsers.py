@@ -20,9 +20,9 @@ from infer_lab.engine.structured import StructuredOutputs
 from infer_lab.model.loader import load
 from infer_lab.serve.server import make_app
 from infer_lab.serve.tool_formats import FORMATS, call_format
-from infer_lab.serve.tools import auto_plan
+from infer_lab.serve.tools import ToolStream, auto_plan
 from tests.live_server import metric, running, wait_for
-from tests.tool_helpers import accumulate
+from tests.tool_helpers import accumulate, streamed_like_whole, strict
 
 MODEL = "tiny-kjv"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -70,6 +70,33 @@ def test_each_format_splits_text_and_calls_and_a_stream_never_shows_markup(name)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("step", [1, 3])
+def test_a_stream_sends_each_call_as_it_is_written(name, step):
+    """The text arriving ``step`` characters at a time: each call's name comes once, then its
+    arguments in fragments that add up to exactly the whole answer's; content never holds
+    markup; every call's first fragment comes before the output is complete."""
+    plan = auto_plan(FUNCTIONS, True, FORMATS[name])
+    text = "Let me look. " + TWO_CALLS[name]
+    whole_content, whole_calls, _ = plan.split(text, True)
+    state, content, calls = ToolStream(), "", {}
+    for at in range(0, len(text), step):
+        piece, deltas = state.delta(plan, text[at:at + step], at + step >= len(text), "c")
+        content += piece
+        for d in deltas:
+            if "id" in d:
+                assert d["index"] == len(calls) and d["type"] == "function"
+                calls[d["index"]] = {"name": d["function"]["name"], "pieces": []}
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+            calls[d["index"]]["pieces"].append(d["function"]["arguments"])
+        assert not any(m in content for m in MARKUP)
+    assert content == whole_content
+    assert [(c["name"], "".join(c["pieces"])) for c in calls.values()] == [
+        (c["name"], c["arguments"]) for c in whole_calls]
+    assert all(len([p for p in c["pieces"] if p]) > 1 for c in calls.values())
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
 def test_each_formats_grammar_takes_a_valid_call_and_refuses_an_unoffered_tool(grammar, name):
     text = "Let me look. " + TWO_CALLS[name]
     first_end = text.index("Paris") + len("Paris")  # the first call is written by then
@@ -95,7 +122,7 @@ def accepts(grammar, plan, text: str) -> int:
     return done
 
 
-@pytest.fixture(scope="module", params=["llama3_json", "mistral"])
+@pytest.fixture(scope="module", params=["hermes", "llama3_json", "mistral"])
 def app(request):
     return make_app(None, device="cpu", num_kv_blocks=256, max_num_seqs=8,
                     tool_call_parser=request.param)
@@ -175,6 +202,18 @@ def test_calls_in_the_servers_format_become_tool_calls(app, client, server, stee
     assert [(d["name"], json.loads(d["arguments"])) for d in calls] == want
     assert len({d["id"] for d in calls}) == len(want) and all(d["id"] for d in calls)
     assert wait_for(lambda: metric(server, "kv_cache_blocks_used") == 0, 30)
+
+
+def test_streamed_arguments_add_up_to_the_whole_answers(app, client, steer):
+    """Greedy, the same request whole and through the ``openai`` client's stream helper: the
+    calls stream as they are written and add up to the whole answer's."""
+    name = fmt_of(app)
+    steer("Let me look. " + TWO_CALLS[name], [WEATHER, TIME])
+    whole, calls, content = streamed_like_whole(
+        client, model=MODEL, messages=ASK, tools=[strict(WEATHER), strict(TIME)],
+        max_tokens=120, temperature=0)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == WANT
+    assert content.strip() == whole.message.content == "Let me look."
 
 
 def test_a_call_of_a_tool_not_offered_cannot_be_written(app, client, server, steer):

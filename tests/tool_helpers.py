@@ -64,3 +64,30 @@ def marker_model(path: Path) -> Path:
                                      "special": True})
     (path / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
     return path
+
+
+def streamed_like_whole(client: Any, **kw: Any) -> tuple[Any, list[dict[str, Any]], str]:
+    """Ask the same greedy question whole and streamed through the ``openai`` client's stream
+    helper, and check that the stream sent each call as it was written and agrees with the whole
+    answer: each call's first delta carries its ``index``, ``id``, ``type`` and name; its
+    arguments came in more than one piece, which add up (in the client's own accumulation and
+    in ours) to exactly the whole answer's arguments; no markup reached ``content``.
+    Returns the whole answer's choice, the streamed calls and the streamed content."""
+    whole = client.chat.completions.create(**kw).choices[0]
+    with client.chat.completions.stream(**kw) as stream:
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
+        final = stream.get_final_completion().choices[0]
+    content, calls, reason = accumulate(chunks)
+    want = [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
+    assert want and reason == whole.finish_reason == final.finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == want
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == want
+    for k, call in enumerate(calls):
+        first = call["first"]
+        assert first["index"] == k and first["type"] == "function" and first["id"]
+        assert first["function"]["name"] == call["name"]
+        assert len(call["pieces"]) > 1, call  # the arguments grew as they were written
+    later = [d for chunk in chunks for c in chunk.choices for d in c.delta.tool_calls or []
+             if d.id is None]
+    assert later and all(d.function.name is None and d.type is None for d in later)
+    return whole, calls, content
