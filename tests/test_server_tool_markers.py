@@ -16,6 +16,7 @@ import json
 import openai
 import pytest
 
+from infer_lab.engine.sampling_params import SamplingParams
 from infer_lab.engine.structured import StructuredOutputs
 from infer_lab.model.loader import load
 from infer_lab.model.tokenizer import Tokenizer
@@ -73,6 +74,8 @@ def test_the_markers_are_one_special_token_and_kept_only_when_asked(tok):
         streamed = "".join(detok.add(t) for t in ids + [0]) + detok.flush()
         assert streamed == kept  # streaming agrees with the whole decode
     assert not FORMATS["hermes"].special_marker_ids(tok)
+    with pytest.raises(TypeError, match="keep_special_token_ids"):
+        SamplingParams(keep_special_token_ids=["[TOOL_CALLS]"])
 
 
 @pytest.mark.parametrize("name", list(MARKER))
