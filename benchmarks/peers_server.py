@@ -141,6 +141,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
         for threads in args.threads:
+            load_this = os.getloadavg()  # before this thread count's servers start
             servers = start_servers(threads, tmp)
             try:
                 runs: dict[str, dict[str, list[dict[str, float]]]] = {
@@ -158,7 +159,7 @@ def main() -> None:
                                   f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
                 results[str(threads)] = summarise(runs) | {"measured": dict(
                     date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    commit=provenance("cpu")["commit"], load_before=load_before,
+                    commit=provenance("cpu")["commit"], load_before=load_this,
                     load_after=os.getloadavg(), rounds=args.rounds)}
             finally:
                 for proc, _ in servers.values():
