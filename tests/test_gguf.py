@@ -80,12 +80,18 @@ def llama_cpp_rows(rows: int, heads: int) -> np.ndarray:
     return np.array(order)
 
 
-def blocks_for(w: np.ndarray, qtype: str, rng: np.random.Generator) -> np.ndarray:
-    """What the file stores for matrix ``w`` in ``qtype``: quantized, or hand-built K blocks."""
+def blocks_for(w: np.ndarray, qtype: str, rng: np.random.Generator,
+               encode_k: bool = False) -> np.ndarray:
+    """What the file stores for matrix ``w`` in ``qtype``: quantized, or K blocks hand-built
+    (random bytes) or, with ``encode_k``, made by the package's K-quant encoders from ``w``."""
     if qtype == "F32":
         return w.astype(np.float32)
     if qtype not in K_QUANTS:  # Q5_0 too: the unsupported-type test writes one
         return gguf.quants.quantize(w.astype(np.float32), Q[qtype])
+    if encode_k:
+        from infer_lab.model.quant.kquants import CODECS
+
+        return CODECS[qtype][0](torch.from_numpy(w)).numpy().reshape(w.shape[0], -1)
     block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
     raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // block, size), dtype=np.uint8)
     for off in K_SCALE_OFFSETS[qtype]:
@@ -110,9 +116,13 @@ def write_gguf(
     tokenizer_model: str = "gpt2",
     drop: str | None = None,
     seed: int = 0,
+    tensor_types: dict[str, str] | None = None,
+    encode_k: bool = False,
 ) -> Path:
     """Write ``source`` as llama.cpp would, in ``qtype``; ``source``'s matrices become exactly
-    what the file holds (its quantization error moved into the reference)."""
+    what the file holds (its quantization error moved into the reference). ``tensor_types``: a
+    type per GGUF tensor name (``"blk.0.attn_v.weight"``) where it is not ``qtype``, as
+    llama.cpp's mixes (Q4_K_M) do; ``encode_k``: see :func:`blocks_for`."""
     import json
 
     rng = np.random.default_rng(seed)
@@ -179,18 +189,19 @@ def write_gguf(
             elif name.endswith("attn_k.weight"):
                 order = llama_cpp_rows(value.shape[0], cfg.num_key_value_heads)
             filed = value[order] if order is not None else value
-            blocks = blocks_for(filed, qtype, rng)
-            held = stored_values(blocks, qtype, filed.shape)
+            ttype = (tensor_types or {}).get(name, qtype)
+            blocks = blocks_for(filed, ttype, rng, encode_k)
+            held = stored_values(blocks, ttype, filed.shape)
             back = np.empty_like(held)
             if order is not None:
                 back[order] = held
             else:
                 back = held
             p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
-            if qtype == "F32":
+            if ttype == "F32":
                 w.add_tensor(name, blocks)
             else:
-                w.add_tensor(name, blocks, raw_dtype=Q[qtype])
+                w.add_tensor(name, blocks, raw_dtype=Q[ttype])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -16,7 +16,8 @@
   activations to bf16 keeps 8 significant bits (2-3 decimal digits), as running the model in
   bf16 does; ``CPU_ACTIVATION`` names the choice
   so a test or the chapter can change it (None: use ``x``'s own dtype).
-- GGUF's Q8_0 (``int8g``, int8 with a scale per group of 32) on CPU: for one row, the int8
+- GGUF's Q8_0, Q6_K and Q5_K (``int8g``, int8 with a scale per group of 32, or of 16 for
+  Q6_K, and for Q5_K a minimum) on CPU: for one row, the int8
   kernel once per group, partial sums added in fp32; for more rows (a batch of decodes, a
   prefill), a bf16 copy of the weight dequantized once and a dense bf16 matmul, because the
   per-group calls do the output's fp32 additions once per group (18 times for SmolLM2's head)
@@ -119,9 +120,11 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def int8g_linear_cpu(x: torch.Tensor, layer: Any) -> torch.Tensor:
-    """GGUF Q8_0 (int8 codes, one scale per row and group of 32) with the int8 CPU kernel, one
-    call per group: ``y = sum_g int8mm(x_g, q_g, s_g)``. Each call reads its group's codes once,
-    so the whole weight is read once, as in one call; the partial sums add up in fp32."""
+    """GGUF Q8_0 / Q6_K / Q5_K (int8 codes, one scale per row and group of 32 or 16) with the
+    int8 CPU kernel, one call per group: ``y = sum_g int8mm(x_g, q_g, s_g)``. Each call reads its
+    group's codes once, so the whole weight is read once, as in one call; the partial sums add
+    up in fp32. A layer with a minimum per group (Q5_K) adds ``sum_g (sum_k x_gk) m_g``: the
+    activations' group sums ``[M, G]`` times the minimums ``[G, N]``, one small matmul."""
     act = CPU_ACTIVATION or x.dtype
     scales = getattr(layer, "_cpu_int8g_scale", None)
     if scales is None or scales.dtype != act:
@@ -133,6 +136,10 @@ def int8g_linear_cpu(x: torch.Tensor, layer: Any) -> torch.Tensor:
     for g in range(layer.qweight.shape[0]):
         part = xa[:, g * group : (g + 1) * group].contiguous()
         y += torch.ops.aten._weight_int8pack_mm(part, layer.qweight[g], scales[g]).float()
+    minimum = getattr(layer, "minimum", None)
+    if minimum is not None:
+        sums = xa.float().view(x.shape[0], -1, group).sum(-1)  # [M, G]
+        y += sums @ minimum.float().t()
     return y.to(x.dtype)
 
 

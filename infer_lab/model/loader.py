@@ -121,12 +121,15 @@ def _load_prequantized(path: Path, qc: QuantConfig, quantization: str | None,
 def cpu_serving_quantization(model: str | os.PathLike | None,
                              device: torch.device | str | None = None) -> str | None:
     """What a server on a CPU runs a checkpoint in when nobody asked: ``"gguf"`` (the file's own
-    blocks, kept) for a GGUF file whose every matrix is Q4_0, Q4_1 or Q8_0, else None (dense).
+    blocks, kept) for a GGUF file whose every matrix is of a type kept as blocks (Q4_0, Q4_1,
+    Q8_0 and the K-quants Q4_K, Q5_K, Q6_K: :data:`~infer_lab.model.quantize.GGUF_BLOCK_TYPES`),
+    else None (dense: a file with an F16 or F32 matrix, say).
 
     The dense model of such a file *is* its blocks dequantized, so keeping them changes no
     weight: what changes is that the matmuls read 4-8 bits a weight instead of 32 and feed bf16
     activations (:mod:`infer_lab.kernels.quant`); the KL divergence this costs against the fp32
-    model is measured in ``benchmarks/results/peers.json``. On a GPU the default stays dense.
+    model is measured for SmolLM2's Q4_1/Q8_0 file in ``benchmarks/results/peers.json`` (no
+    K-quant file was measured so). On a GPU the default stays dense.
     """
     if (torch.device(device) if device is not None else default_device()).type != "cpu":
         return None

@@ -9,7 +9,8 @@ Decode reads every weight once per step, so its time is set by weight bytes: sto
 - ``int4``: asymmetric, along the input dimension in groups of ``group_size``: ``w ≈ q * s + m``
   with ``q`` in [0, 15], ``m`` the group's minimum and ``s = (max - min) / 15`` (fp16 each, as
   llama.cpp's Q4_1 stores them). Two weights per byte; 4 + 32/group_size bits per weight.
-- ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks kept as they are (:class:`GGUFLinear`).
+- ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks and K-quant (Q4_K / Q5_K / Q6_K)
+  super-blocks kept, re-laid without rounding into int4 or ``int8g`` (:func:`keep_gguf_blocks`).
 
 Every linear layer and the embedding (which is also the LM head when tied) are quantized; the
 norms, biases and RoPE tables stay in the model's dtype (they are a rounding error in bytes).
@@ -173,10 +174,14 @@ class QuantizedLinear(nn.Module):
 
     def dequantize_rows(self, rows: torch.Tensor | slice,
                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows ``rows`` of the weight; for ``int8g`` (GGUF Q8_0: int8 codes stored group-major
-        ``[K/32, N, 32]``, an fp16 scale per row and group ``[N, K/32]``)."""
-        codes = self.qweight[:, rows].float()  # [G, n, 32]
+        """Rows ``rows`` of the weight; for ``int8g`` (GGUF Q8_0, Q5_K, Q6_K: int8 codes stored
+        group-major ``[K/g, N, g]``, a scale per row and group ``[N, K/g]``, and for Q5_K a
+        minimum too: ``w = q * scale + minimum``)."""
+        codes = self.qweight[:, rows].float()  # [G, n, g]
         w = codes * self.scale[rows].t().float()[..., None]
+        minimum = getattr(self, "minimum", None)
+        if minimum is not None:
+            w = w + minimum[rows].t().float()[..., None]
         return w.permute(1, 0, 2).reshape(w.shape[1], -1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -309,12 +314,18 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int = INT4_D
 
 
 # ---------------------------------------------------------------------------- GGUF blocks
-GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+K_QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+# weights and bytes per block
+_GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
+                "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
-def gguf_block_tensors(data: np.ndarray, qtype: str, rows: int, cols: int
-                       ) -> tuple[str, dict[str, torch.Tensor]]:
-    """llama.cpp blocks of 32 weights, re-laid into this module's formats *without rounding*.
+def gguf_block_tensors(data: np.ndarray, qtype: str, rows: int, cols: int,
+                       name: str = "weight") -> tuple[str, dict[str, torch.Tensor]]:
+    """A GGUF matrix's llama.cpp blocks re-laid into this module's formats *without rounding*:
+    every weight :meth:`QuantizedLinear.dequantize` gives is the one ``gguf``'s dequantizer
+    gives, bit for bit.
 
     - Q4_1 (20 bytes: fp16 ``d``, fp16 ``m``, 16 bytes of nibbles; weight ``j`` is the low
       nibble of byte ``j``, weight ``j + 16`` its high nibble; ``w = q * d + m``): int4, g32, with
@@ -322,38 +333,155 @@ def gguf_block_tensors(data: np.ndarray, qtype: str, rows: int, cols: int
     - Q4_0 (18 bytes, ``w = (q - 8) * d``): int4 g32 with ``minimum = -8 d`` (exact in fp16).
     - Q8_0 (34 bytes: fp16 ``d``, 32 int8, ``w = q * d``): ``int8g``, int8 codes with one fp16
       scale per row and group of 32.
+    - The K-quants (:func:`_k_block_tensors`): Q4_K as int4 g32, Q5_K as ``int8g`` g32 with a
+      minimum, Q6_K as ``int8g`` g16, each with float32 scales.
+
+    A NaN or infinite scale raises :class:`QuantizationError` naming ``name``.
     """
     if qtype not in GGUF_BLOCK_TYPES:
-        raise QuantizationError(f"GGUF tensors of type {qtype} are not kept as blocks; "
+        raise QuantizationError(f"{name}: GGUF tensors of type {qtype} are not kept as blocks; "
                                 f"quantization='gguf' keeps {', '.join(GGUF_BLOCK_TYPES)}")
-    nb = cols // 32
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
-    blocks = np.ascontiguousarray(data).reshape(rows, nb, size)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])  # [rows, nb]
+    per, size = _GGUF_BLOCKS[qtype]
+    if cols % per:
+        raise QuantizationError(f"{name}: rows of {cols} weights are not whole {qtype} blocks "
+                                f"of {per}")
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // per, size)
+    if qtype in K_QUANT_TYPES:
+        fmt, t = _k_block_tensors(blocks, qtype, rows, cols)
+    else:
+        fmt, t = _legacy_block_tensors(blocks, qtype, rows, cols)
+    _check_block_scales(t, name, qtype, cols)
+    return fmt, t
+
+
+def _llama_nibbles_to_ours(qs: np.ndarray) -> np.ndarray:
+    """Bytes ``[..., L]`` in llama.cpp's order (weight ``i < L`` the low nibble of byte ``i``,
+    weight ``L + i`` its high nibble) re-packed in ours (byte ``j``: weights ``2j``, ``2j + 1``)."""
+    even, odd = qs[..., 0::2], qs[..., 1::2]
+    return np.concatenate([(even & 15) | ((odd & 15) << 4), (even >> 4) | (odd & 0xF0)], -1)
+
+
+def _f16_field(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """The fp16 field at byte ``at`` of every block ``[..., size]``, as a tensor ``[...]``."""
+    return torch.from_numpy(blocks[..., at:at + 2].copy().view(np.float16)[..., 0])
+
+
+def _legacy_block_tensors(blocks: np.ndarray, qtype: str, rows: int, cols: int
+                          ) -> tuple[str, dict[str, torch.Tensor]]:
+    """Q4_0, Q4_1 and Q8_0 blocks ``[rows, cols / 32, size]`` (see :func:`gguf_block_tensors`)."""
+    d = _f16_field(blocks, 0)  # [rows, nb]
     if qtype == "Q8_0":
         codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))  # [rows, nb, 32]
         return "int8g", {"qweight": codes.permute(1, 0, 2).contiguous(), "scale": d}
     start = 4 if qtype == "Q4_1" else 2
-    qs = blocks[..., start:]  # [rows, nb, 16]: weight i < 16 low nibble of byte i, else high
-    even, odd = qs[..., 0::2], qs[..., 1::2]
-    # our byte j holds weights 2j (low) and 2j + 1 (high): low nibbles for j < 8, high after
-    packed = np.concatenate([(even & 15) | ((odd & 15) << 4), (even >> 4) | (odd & 0xF0)], -1)
-    packed = torch.from_numpy(packed.reshape(rows, cols // 2))
-    if qtype == "Q4_1":
-        minimum = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
-    else:
-        minimum = -8 * d
+    packed = torch.from_numpy(_llama_nibbles_to_ours(blocks[..., start:]).reshape(rows, cols // 2))
+    minimum = _f16_field(blocks, 2) if qtype == "Q4_1" else -8 * d
     return "int4", {"qweight": packed, "scale": d, "minimum": minimum}
+
+
+def _k_block_tensors(blocks: np.ndarray, qtype: str, rows: int, cols: int
+                     ) -> tuple[str, dict[str, torch.Tensor]]:
+    """K-quant super-blocks ``[rows, cols / 256, size]`` (layouts: :mod:`.quant.kquants`) in the
+    formats whose kernels exist, each weight exactly what ``gguf`` dequantizes.
+
+    A sub-block's scale is ``d * sc`` (fp16 times a 6-bit, or for Q6_K a signed 8-bit, integer):
+    up to 18 significant bits, which fp16 (11) cannot hold and float32 (24) holds exactly; so
+    are ``dmin * m``, and a code times the scale (at most 23 bits). ``gguf`` computes
+    ``(d * sc) * q - dmin * m`` in float32, rounding once at the subtraction; the layers compute
+    ``q * scale + minimum`` with ``minimum = -(dmin * m)``, the same single rounding. Hence:
+
+    - Q4_K: int4 in groups of 32 (a sub-block) with ``scale = d * sc`` and
+      ``minimum = -dmin * m``, float32 each: Q4_1's layout with wider scales, on the int4 kernel.
+    - Q5_K: codes 0..31 have no 5-bit kernel; as ``int8g`` codes in groups of 32 with the same
+      scale and minimum (the int8 kernel per group, plus the group sums of ``x`` times the
+      minimum).
+    - Q6_K: codes ``q - 32`` (-32..31) as ``int8g`` in groups of 16 (its sub-blocks) with
+      ``scale = d * sc``; no minimum.
+    """
+    from infer_lab.model.quant.kquants import q4k_scale_min  # that package imports this module
+
+    nb = cols // 256
+    b = blocks.reshape(rows * nb, -1)
+    if qtype == "Q6_K":
+        ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+        low = np.concatenate([ql & 15, ql >> 4], axis=2)  # [B, 2 halves, 128]
+        high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)
+        codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+        sc = torch.from_numpy(b[:, 192:208].copy().view(np.int8)).float()  # [B, 16]
+        scale = _f16_field(b, 208).float()[:, None] * sc
+        return "int8g", {"qweight": _group_major(codes, rows, 16),
+                         "scale": scale.reshape(rows, nb * 16)}
+    sc, m = q4k_scale_min(torch.from_numpy(b[:, 4:16].copy()))  # [B, 8] each
+    scale = (_f16_field(b, 0).float()[:, None] * sc.float()).reshape(rows, nb * 8)
+    minimum = -(_f16_field(b, 2).float()[:, None] * m.float()).reshape(rows, nb * 8)
+    if qtype == "Q4_K":
+        packed = _llama_nibbles_to_ours(b[:, 16:].reshape(rows, nb * 4, 32))
+        return "int4", {"qweight": torch.from_numpy(packed.reshape(rows, cols // 2)),
+                        "scale": scale, "minimum": minimum}
+    ql = b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]  # [B, 4, 2, 32]
+    high = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [B, 8, 32]
+    codes = ((ql & 15).reshape(-1, 8, 32) | (high << 4)).astype(np.int8)
+    return "int8g", {"qweight": _group_major(codes, rows, 32), "scale": scale,
+                     "minimum": minimum}
+
+
+def _group_major(codes: np.ndarray, rows: int, group: int) -> torch.Tensor:
+    """Codes in row order re-laid as ``int8g`` stores them: ``[groups, rows, group]``."""
+    return torch.from_numpy(codes.reshape(rows, -1, group)).permute(1, 0, 2).contiguous()
+
+
+def _check_block_scales(t: dict[str, torch.Tensor], name: str, qtype: str, cols: int) -> None:
+    """Raise :class:`QuantizationError` naming tensor ``name`` if a block's scale (or minimum)
+    is NaN or infinite: a corrupt file, whose every product would be NaN."""
+    for key in ("scale", "minimum"):
+        v = t.get(key)
+        if v is None or bool(torch.isfinite(v).all()):
+            continue
+        bad = ~torch.isfinite(v)
+        row, group = (int(i) for i in bad.nonzero()[0])
+        width = cols // v.shape[1]
+        raise QuantizationError(
+            f"{name}: {int(bad.sum())} {qtype} sub-block(s) with a NaN or infinite {key} (the "
+            f"first at row {row}, columns {group * width}-{(group + 1) * width - 1}); the "
+            "file's blocks are corrupt")
+
+
+class ConcatLinear(nn.Module):
+    """A fused projection (q/k/v, gate/up) whose GGUF pieces are in different formats: each run
+    of pieces of one layout is its own :class:`QuantizedLinear`, and their outputs are
+    concatenated. A Q4_K_M file has Q4_K q/k and, in some layers, a Q6_K v; this keeps each on
+    its own kernel rather than widening q and k to v's format."""
+
+    def __init__(self, parts: list[QuantizedLinear], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.weight_bytes for p in self.parts) + (
+            0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[out, in]`` weight: the parts' rows, in order."""
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 @torch.no_grad()
 def keep_gguf_blocks(model: nn.Module, weights: Iterable[Weight]) -> nn.Module:
-    """Replace the model's linears and embedding by a GGUF file's own Q4_0/Q4_1/Q8_0 blocks.
+    """Replace the model's linears and embedding by a GGUF file's own blocks
+    (:data:`GGUF_BLOCK_TYPES`).
 
     ``weights`` are the file's tensors (:meth:`~infer_lab.model.gguf.GGUFFile.weights`): each
     matrix's blocks, rows already in the model's order; the norms stay as they are in
-    ``model``. Fused projections (q/k/v, gate/up) concatenate their pieces' rows, which must
-    share one format.
+    ``model``. Fused projections (q/k/v, gate/up) concatenate their pieces' rows when the pieces
+    share a layout, else become a :class:`ConcatLinear`.
     """
     if getattr(model, "quantization", None):
         raise QuantizationError(f"the model is already quantized ({model.quantization})")
@@ -363,7 +491,7 @@ def keep_gguf_blocks(model: nn.Module, weights: Iterable[Weight]) -> nn.Module:
         if w.blocks is None or len(w.shape) != 2 or w.param is None:
             continue  # a norm: it stays in the model's dtype
         rows, cols = w.shape
-        fmt, t = gguf_block_tensors(w.blocks(), w.type_name, rows, cols)
+        fmt, t = gguf_block_tensors(w.blocks(), w.type_name, rows, cols, f"{w.where}: {w.name}")
         pieces.setdefault(w.param.removesuffix(".weight"), []).append((w.part or 0, fmt, t))
         label = w.where
     for name, parts in sorted(pieces.items()):
@@ -375,21 +503,52 @@ def keep_gguf_blocks(model: nn.Module, weights: Iterable[Weight]) -> nn.Module:
     return model
 
 
+def _layout(fmt: str, t: dict[str, torch.Tensor]) -> tuple[str, int, bool]:
+    """What pieces must share to be one layer: format, groups per row, a minimum or not."""
+    return fmt, t["scale"].shape[1], "minimum" in t
+
+
+def _concat_runs(parts: list[tuple[str, dict[str, torch.Tensor]]]
+                 ) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """Consecutive pieces of one layout joined (rows appended); scales of different dtypes
+    (Q4_0's fp16, Q4_K's float32) are joined in the wider one, which holds both exactly."""
+    runs: list[list[tuple[str, dict[str, torch.Tensor]]]] = []
+    for p in parts:
+        if runs and _layout(*runs[-1][0]) == _layout(*p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    out = []
+    for run in runs:
+        fmt = run[0][0]
+        joined = {}
+        for key in run[0][1]:
+            ts = [t[key] for _, t in run]
+            dtype = ts[0].dtype
+            for x in ts[1:]:
+                dtype = torch.promote_types(dtype, x.dtype)
+            dim = 1 if key == "qweight" and fmt == "int8g" else 0
+            joined[key] = torch.cat([x.to(dtype) for x in ts], dim=dim)
+        out.append((fmt, joined))
+    return out
+
+
+def _block_linear(fmt: str, t: dict[str, torch.Tensor], k_in: int, device: torch.device,
+                  bias: torch.Tensor | None = None) -> QuantizedLinear:
+    """A :class:`QuantizedLinear` of re-laid blocks ``t`` (its group size from its scales)."""
+    t = {k: v.to(device) for k, v in t.items()}
+    rows, groups = t["scale"].shape
+    return QuantizedLinear(fmt, t, k_in, rows, bias, k_in // groups)
+
+
 def _set_block_layer(model: nn.Module, name: str,
                      parts: list[tuple[int, str, dict[str, torch.Tensor]]]) -> None:
     """Module ``name`` (a linear, or the embedding) becomes the concatenation of its pieces."""
     parts.sort(key=lambda p: p[0])
-    fmts = {p[1] for p in parts}
-    if len(fmts) != 1:
-        raise QuantizationError(f"{name}: its GGUF pieces mix formats {sorted(fmts)}")
-    fmt = fmts.pop()
-    cat_dim = {"qweight": 1 if fmt == "int8g" else 0, "scale": 0, "minimum": 0}
-    t = {k: torch.cat([p[2][k] for p in parts], dim=cat_dim[k]).to(model.device)
-         for k in parts[0][2]}
-    n = t["scale"].shape[0]
+    runs = _concat_runs([(fmt, t) for _, fmt, t in parts])
     hidden = model.config.hidden_size
-    if name == "embed_tokens":
-        layer = QuantizedLinear(fmt, t, hidden, n, None, 32)
+    if name == "embed_tokens":  # one GGUF tensor, never fused: one run
+        layer = _block_linear(*runs[0], hidden, model.device)
         model.embed_tokens = QuantizedEmbedding(layer, model.dtype)
         if model.lm_head is None:
             model.lm_head = layer
@@ -397,9 +556,13 @@ def _set_block_layer(model: nn.Module, name: str,
     old = model.get_submodule(name)
     bias = None if getattr(old, "bias", None) is None else old.bias.detach().clone()
     k_in = hidden if name == "lm_head" else old.in_features
+    new: nn.Module
+    if len(runs) == 1:
+        new = _block_linear(*runs[0], k_in, model.device, bias)
+    else:
+        new = ConcatLinear([_block_linear(f, t, k_in, model.device) for f, t in runs], bias)
     parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr,
-            QuantizedLinear(fmt, t, k_in, n, bias, 32))
+    setattr(model.get_submodule(parent) if parent else model, attr, new)
 
 
 def check_model_quantization(model: object, quantization: str | None) -> None:
