@@ -57,3 +57,30 @@ def test_triton_int4_refuses_groups_it_does_not_cover_and_dispatch_falls_back():
         tq.w4_linear(x, layer.qweight, layer.scale, layer.minimum, 16)
     with pytest.raises(ValueError, match="K=64"):
         tq.w8_linear(torch.randn(2, 64), torch.zeros(8, 32, dtype=torch.int8), torch.ones(8))
+
+
+@pytest.mark.parametrize("kind", ["gemv", "gemm"])
+def test_triton_int4_takes_a_kept_q4_k_layers_float32_scales(kind):
+    """A GGUF Q4_K matrix kept as int4 holds its scales and minimums in float32 (fp16 cannot
+    hold ``d * sc``); the Triton kernels read them as they are. Q6_K's ``int8g`` layer has no
+    Triton kernel: forced to Triton, the dispatch falls back (here on the CPU, to the int8
+    kernel with bf16 activations; on CUDA, to the reference)."""
+    from infer_lab.model.quant.kquants import quantize_q4_k, quantize_q6_k
+    from infer_lab.model.quantize import gguf_block_tensors
+
+    torch.manual_seed(5)
+    w = torch.randn(80, 512)
+    fmt, t = gguf_block_tensors(quantize_q4_k(w).numpy(), "Q4_K", 80, 512)
+    assert fmt == "int4" and t["scale"].dtype == t["minimum"].dtype == torch.float32
+    layer = QuantizedLinear(fmt, t, 512, 80, None, 32)
+    x = torch.randn(3, 512)
+    ref = qk.quant_linear_ref(x, layer)
+    tq = kernels.triton_module("triton_quant")
+    out = tq.w4_linear(x, layer.qweight, layer.scale, layer.minimum, 32, force=kind)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    fmt, t = gguf_block_tensors(quantize_q6_k(w).numpy(), "Q6_K", 80, 512)
+    q6 = QuantizedLinear(fmt, t, 512, 80, None, 16)
+    assert not qk.triton_takes(q6)
+    ref = qk.quant_linear_ref(x, q6)
+    out = qk.quant_linear(x, q6, backend="triton")
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-2
