@@ -140,6 +140,16 @@ def paged_attention_ref(
     return out
 
 
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """``cache[tables]`` with each row's blocks end to end: ``[B, W * block_size, ...]``.
+
+    ``index_select`` on the block dimension copies whole blocks; advanced indexing computes
+    the same copy element by element and took 2-2.6x as long here (a 176- and a 1,000-token
+    context, one thread), once per layer for keys and once for values."""
+    picked = cache.index_select(0, tables.reshape(-1))
+    return picked.view(tables.shape[0], -1, *cache.shape[2:])
+
+
 class PagedAttentionContext:
     """The model's attention backend for one :class:`PagedBatch` over a :class:`PagedKVCache`.
 
@@ -222,8 +232,8 @@ class PagedAttentionContext:
     def _attend_torch(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                       window: int | None) -> torch.Tensor:
         valid, rows, _, tables, _ = self._step_layout()
-        keys = kc[tables].flatten(1, 2).to(q.dtype)  # [B, blocks * block_size, Hkv, D]
-        values = vc[tables].flatten(1, 2).to(q.dtype)
+        keys = gather_blocks(kc, tables).to(q.dtype)  # [B, blocks * block_size, Hkv, D]
+        values = gather_blocks(vc, tables).to(q.dtype)
         # a decode-only step has one query per sequence, in order: the padding is a view
         one_each = self.batch.max_query_len == 1
         qb = q[:, None] if one_each else q[rows]  # [B, max_q, Hq, D]
