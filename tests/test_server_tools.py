@@ -174,6 +174,32 @@ def test_a_call_cut_by_max_tokens_is_not_text(client, steer):
     assert reason == "length" and not calls and "<tool" not in content
 
 
+def test_a_call_cut_mid_arguments_has_streamed_the_part_it_wrote(app, client, server, steer):
+    """The stream and the whole answer differ here: the stream has already sent the call's name
+    and a part of its arguments (all but what the last chunk wrote: at the end the cut call is
+    dropped, not sent on); the whole answer, parsed at the end, has no call."""
+    steer(CALL, [WEATHER])
+    kw = {"tools": [WEATHER], "temperature": 0}
+    uncut = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=100, **kw)
+    [call] = uncut.choices[0].message.tool_calls
+    # the steered output is CALL's tokens: cut where the city's value has begun, not ended
+    tokenizer = app.state.server.engine.engine.tokenizer
+    script = tokenizer.encode(CALL)
+    cut = next(k for k in range(len(script)) if '"city": "Par' in tokenizer.decode(script[:k]))
+    assert '"Paris"' not in tokenizer.decode(script[:cut])
+    content, calls, reason = stream(client, max_tokens=cut, **kw)
+    assert reason == "length" and "<tool" not in content
+    [part] = calls
+    assert part["name"] == "get_weather"
+    assert call.function.arguments.startswith(part["arguments"])
+    assert part["arguments"] != call.function.arguments
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=cut, **kw)
+    c = whole.choices[0]
+    assert c.finish_reason == "length" and not c.message.tool_calls
+    assert "<tool" not in (c.message.content or "")
+    assert no_blocks_held(server)
+
+
 def test_none_does_not_offer_the_tools(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                        tool_choice="none", max_tokens=8, temperature=0)
