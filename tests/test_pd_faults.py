@@ -2,8 +2,9 @@
 
 Blocks nobody pulls are freed after ``--kv-pin-timeout`` and a pull after that costs the decode
 request a recompute or a 502, as ``--kv-on-failure`` says; ``--kv-max-pinned-blocks`` bounds
-what abandoned transfers hold; a prefill worker that hangs, is killed or cuts a transfer short
-between the stages costs a recompute or a clear error, never a hang. Whenever there is output,
+what abandoned transfers hold; a prefill worker that hangs (the wait of ``--kv-pull-timeout``)
+or is killed between the stages, or a transfer cut short (a stand-in endpoint), costs a
+recompute or a clear error, never a hang or a half-received block used. Whenever there is output,
 its greedy tokens equal a colocated server's; afterwards every pool is full again. (The happy
 path through the real router is ``tests/test_pd_router.py``.)
 """
@@ -16,6 +17,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +26,7 @@ import pytest
 from fastapi import FastAPI
 
 from infer_lab.cache.kv_tier import block_nbytes
+from infer_lab.engine.kv_connector import prompt_keys
 from infer_lab.engine.kv_transfer import (
     KVTransferError,
     pull_blocks,
@@ -43,6 +46,7 @@ TEXT = ("In the beginning God created the heaven and the earth. And the earth wa
         "the face of the waters. And God said, Let there be light: and there was light. ")
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 HTTP_TIMEOUT = 180.0  # a request that hangs fails the test here; a loaded machine never does
+HUNG_BOUND = 120.0  # a pull from a hung worker ends near --kv-pull-timeout, far below this
 FIRST_STAGE = {"max_tokens": 1, "stream": False, "min_tokens": 1,
                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
                                       "remote_engine_id": None, "remote_block_ids": None,
@@ -98,7 +102,7 @@ def post(base: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{base}/v1/completions", json=body, timeout=HTTP_TIMEOUT)
 
 
-def text_of(base: str, prompt: str, **extra: Any) -> str:
+def text_of(base: str, prompt: str | list[int], **extra: Any) -> str:
     r = post(base, {"prompt": prompt, **GREEDY, **extra})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
@@ -194,8 +198,12 @@ def test_pinned_blocks_are_bounded_so_abandoned_transfers_cannot_exhaust_the_poo
 
 def test_a_prefill_worker_that_hangs_or_dies_between_the_stages(decoders, ports):
     """A real process: stopped (SIGSTOP: the connection opens, nothing answers) and then killed
-    (nothing listens) after its first stages. Recompute or 502, never a hang."""
-    rec, err = decoders["recompute"][0], decoders["error"][0]
+    (nothing listens) after its first stages. Recompute or 502, never a hang: the hung one
+    costs the wait of ``--kv-pull-timeout`` (at least that, and far less than the HTTP
+    timeout), the killed one an immediate refusal."""
+    (rec, rec_app), (err, err_app) = decoders["recompute"], decoders["error"]
+    waits = {rec: rec_app.state.kv_disagg.config.pull_timeout_s,
+             err: err_app.state.kv_disagg.config.pull_timeout_s}
     with kv_token():
         prefill = launch("--device", "cpu", "--dtype", "fp32", "--num-kv-blocks", "64",
                          "--kv-role", "prefill", "--kv-transfer-port", str(ports["process"]),
@@ -205,8 +213,12 @@ def test_a_prefill_worker_that_hangs_or_dies_between_the_stages(decoders, ports)
         want = [text_of(prefill.base, p) for p in prompts]
         params = [first_stage(prefill.base, p) for p in prompts]
         prefill.process.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
         assert text_of(rec, prompts[0], kv_transfer_params=params[0]) == want[0]
+        assert waits[rec] <= time.monotonic() - start < HUNG_BOUND
+        start = time.monotonic()
         r = post(err, {"prompt": prompts[1], **GREEDY, "kv_transfer_params": params[1]})
+        assert waits[err] <= time.monotonic() - start < HUNG_BOUND
         assert_kv_transfer_502(r, "failed")
         prefill.process.kill()
         prefill.process.wait(timeout=60)
@@ -222,9 +234,10 @@ def test_a_prefill_worker_that_hangs_or_dies_between_the_stages(decoders, ports)
         prefill.log.close()
 
 
-def _cutting_endpoint(port: int, nbytes: int) -> socket.socket:
-    """A transfer endpoint that dies mid-pull: it answers the header, sends half of the first
-    block's bytes and hangs up (a prefill worker killed during the transfer)."""
+def _cutting_endpoint(port: int, nbytes: int, keys: list[str]) -> socket.socket:
+    """A stand-in transfer endpoint that dies mid-pull: it answers the header with ``keys``
+    (hex), sends half of the first block's bytes and hangs up (a prefill worker killed during
+    the transfer)."""
     listener = socket.create_server(("127.0.0.1", port))
 
     def serve() -> None:
@@ -235,26 +248,35 @@ def _cutting_endpoint(port: int, nbytes: int) -> socket.socket:
                 return
             with conn:
                 ids = recv_header(conn).get("block_ids", [])
-                send_frame(conn, {"ok": True, "keys": ["ab" * 32] * len(ids),
-                                  "block_nbytes": nbytes}, b"\0" * (nbytes // 2))
+                send_frame(conn, {"ok": True, "keys": keys[:len(ids)], "block_nbytes": nbytes},
+                           b"\0" * (nbytes // 2))
 
     threading.Thread(target=serve, daemon=True).start()
     return listener
 
 
 def test_a_transfer_cut_short_is_never_used(decoders, ports):
+    """A stand-in endpoint (not a prefill worker) names the prompt's own blocks by their real
+    keys and dies half-way through the first: nothing of it is used on the decode side."""
     rec, err = decoders["recompute"], decoders["error"]
-    nbytes = block_nbytes(rec[1].state.kv_disagg.engine.engine.runner.cache)
-    listener = _cutting_endpoint(ports["cut"], nbytes)
+    engine = rec[1].state.kv_disagg.engine.engine
+    nbytes = block_nbytes(engine.runner.cache)
+    ids = engine.tokenizer.encode("Cut. " + TEXT * 2)  # sent as ids: these are the prompt's
+    keys = [k.hex() for k in prompt_keys(engine, ids)]
+    assert len(keys) > 1
+    listener = _cutting_endpoint(ports["cut"], nbytes, keys)
     try:
-        prompt = "Cut. " + TEXT * 2
-        want = text_of(err[0], prompt)  # the reference: a plain request, on the other worker
+        want = text_of(err[0], ids)  # the reference: a plain request, on the other worker
         params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "x",
-                  "remote_request_id": "cmpl-cut", "remote_block_ids": [3, 1, 4],
+                  "remote_request_id": "cmpl-cut", "remote_block_ids": list(range(len(keys))),
                   "remote_host": "127.0.0.1", "remote_port": ports["cut"], "tp_size": 1}
-        assert text_of(rec[0], prompt, kv_transfer_params=params) == want
-        r = post(err[0], {"prompt": prompt, **GREEDY, "kv_transfer_params": params})
+        pulled = [d[1].state.kv_disagg.pulled_blocks for d in (rec, err)]
+        hits = [metric(d[0], "prefix_cache_hits_total") for d in (rec, err)]
+        assert text_of(rec[0], ids, kv_transfer_params=params) == want
+        r = post(err[0], {"prompt": ids, **GREEDY, "kv_transfer_params": params})
         assert_kv_transfer_502(r, "closed the connection")
+        assert [d[1].state.kv_disagg.pulled_blocks for d in (rec, err)] == pulled
+        assert [metric(d[0], "prefix_cache_hits_total") for d in (rec, err)] == hits
         assert pools_full(rec[0], err[0])
     finally:
         listener.close()
