@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import httpx
 import openai
@@ -70,18 +71,22 @@ def client(server):
 
 @pytest.fixture()
 def steer(app, client):
-    """``steer(text, tools)``: the model writes ``text`` after the prompt of ASK with those
-    tools (as tokens of the tokenizer; the grammar may still refuse them)."""
+    """``steer(text, tools, pause=0)``: the model writes ``text`` after the prompt of ASK with those
+    tools (as tokens of the tokenizer; the grammar may still refuse them). ``pause`` seconds
+    per step give a stream's reader time to send each token as its own chunk (a reader that
+    lags gets the tokens it missed merged into one chunk)."""
     engine = app.state.server.engine.engine
     real = engine.runner.forward
 
-    def install(text: str, tools: list[dict]) -> None:
+    def install(text: str, tools: list[dict], pause: float = 0.0) -> None:
         first = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
                                                max_tokens=1)
         start = first.usage.prompt_tokens
         script = engine.tokenizer.encode(text) + sorted(engine.eos_ids)[:1]
 
         def forward(ids, positions, ctx):
+            if pause:
+                time.sleep(pause)
             logits = real(ids, positions, ctx)
             idx = ctx.logits_indices
             rows = (positions[idx] if idx is not None else positions).tolist()
@@ -178,7 +183,7 @@ def test_a_call_cut_mid_arguments_has_streamed_the_part_it_wrote(app, client, se
     """The stream and the whole answer differ here: the stream has already sent the call's name
     and a part of its arguments (all but what the last chunk wrote: at the end the cut call is
     dropped, not sent on); the whole answer, parsed at the end, has no call."""
-    steer(CALL, [WEATHER])
+    steer(CALL, [WEATHER], pause=0.02)
     kw = {"tools": [WEATHER], "temperature": 0}
     uncut = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=100, **kw)
     [call] = uncut.choices[0].message.tool_calls
