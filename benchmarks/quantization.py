@@ -8,7 +8,11 @@ For the bundled model (tiny-kjv) and SmolLM2-135M-Instruct, in fp32, bf16, int8,
   the KJV passage of :data:`infer_lab.measure.quality.KJV_PASSAGE` for the bundled model, the
   first ``--ppl-tokens`` tokens of this repository's ``book/architecture.md`` (written after
   SmolLM2 was trained) for SmolLM2;
-- greedy agreement with the fp32 model over ``--agree-tokens`` tokens (teacher-forced top-1);
+- greedy agreement with the fp32 model over ``--agree-tokens`` tokens (teacher-forced top-1):
+  a smoke check, not a verdict (two prompts' few tokens see too little of a format). Chapter 8
+  judges the formats by KL divergence from fp32 over held-out text: live on the bundled model,
+  and for SmolLM2 from ``benchmarks/cpu_paths.py`` (``peers.json``) and
+  ``benchmarks/quant_formats.py``;
 - decode tokens/s at batch 1 and 32: ``--steps`` decode steps through the paged cache after a
   ``--context``-token prefill per sequence, median step time;
 - ratios against fp32.
