@@ -5,7 +5,7 @@
 #     bash benchmarks/device_check.sh
 #
 # Steps, each with its own time limit, each logged (the default steps' limits add up to 8.9
-# minutes, about 5 expected; all twelve steps at once to 16.25 minutes, more than one 10-minute
+# minutes, about 5 expected; all thirteen steps at once to 17.75 minutes, more than one 10-minute
 # call of the device tool, so name the optional ones in a second call):
 #   1. cpu_dry_run  the interpreter tests of the kernels and the benchmark's CPU smoke test with
 #                   the GPU hidden (CUDA_VISIBLE_DEVICES=): catches a broken environment cheaply;
@@ -45,10 +45,19 @@
 #                   both ways (eagle_gpu.json). Limit 120 s. A failure here is logged and
 #                   counted like any step's; the steps after it still run. CPU smoke:
 #                   python -m benchmarks.eagle_gpu --device cpu --max-tokens 8 --prompts 1.
+#  13. fp8          python -m benchmarks.fp8_gpu: torch._scaled_mm with E4M3 weights and
+#                   activations (scales per tensor and per row/channel, bf16 out) against bf16
+#                   torch.mm at SmolLM2-135M's, Llama-3.2-1B's and Llama-3-8B's linear shapes,
+#                   1/16/256/4096 rows; CUDA events, medians, TFLOP/s and speedup; each product
+#                   checked against the dequantized fp32 one (rc 1 if not within 1e-2) and the
+#                   operands against torch's own float8 cast (fp8_gpu.json; commit it under
+#                   benchmarks/results/gpu/, Chapter 8b's FP8 speed). Limit 90 s; only when
+#                   named: STEPS="fp8". CPU smoke: python -m benchmarks.fp8_gpu --dry-run.
 # Default (STEPS unset): steps 2, 4-9 and 12, limits 60 + 120 + 45 + 25 + 75 + 50 + 40 + 120 =
 # 535 s;
-# steps 1, 3, 10 and 11 (cpu_dry_run, chapters, speculative, moe: 110, 150, 90, 90 s) run only
-# when named in STEPS (1 and 3 also run on CPU, where CI runs them; 10 has a CPU smoke:
+# steps 1, 3, 10, 11 and 13 (cpu_dry_run, chapters, speculative, moe, fp8: 110, 150, 90, 90,
+# 90 s) run only when named in STEPS (535 + 530 = 1065 s for all thirteen; 1 and 3 also run on
+# CPU, where CI runs them; 10 has a CPU smoke:
 # python -m benchmarks.speculative --gpu --device cpu --tiny).
 # Output goes to $OUT when set (the device tool brings back at most 8 files: summary.txt, the step
 # logs and the JSON files, the first eight), else to benchmarks/results/device_check/. Exit status:
@@ -175,6 +184,9 @@ step tp 40 env INFER_LAB_TP_BACKEND=gloo $PY -m pytest -q -p no:xdist -p no:cach
 
 # Issue 31: EAGLE on the GPU (greedy output unchanged; decode tok/s with and without it).
 step eagle 120 $PY -m benchmarks.eagle_gpu --out "$RES"
+# Issue 30: FP8 matmuls through torch._scaled_mm against bf16 (rows written per model as
+# measured; rc 1 if an FP8 product is off its dequantized reference).
+step fp8 90 $PY -m benchmarks.fp8_gpu --out "$RES"
 
 echo "overall: $([ $failed -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$RES/summary.txt"
 exit $failed
