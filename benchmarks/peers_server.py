@@ -221,6 +221,8 @@ def update_peers(section: dict[str, Any], out_dir: str | None, key: str = "serve
     data = json.loads(path.read_text()) if path.is_file() else {}
     if key == "server" and isinstance(data.get("server"), dict):  # another thread count's
         section["threads"] = data["server"].get("threads", {}) | section["threads"]
+        # what an earlier run kept beside it (``before_load_thread``) stays
+        section = {k: v for k, v in data["server"].items() if k not in section} | section
     data[key] = section
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
