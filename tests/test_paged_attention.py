@@ -230,3 +230,28 @@ def test_chunked_prefill_and_shared_prefix_match_the_plain_forward(model):
     mgr.allocate_slots("b", 11, computed_blocks=mgr.block_table("a")[:2])
     torch.testing.assert_close(prefill_logits(m, cache, mgr, "b", ids, 8), full,
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("codec", [None, "int8", "fp8_e4m3_scaled"])
+def test_the_block_gather_copies_whole_blocks_of_any_cache(codec):
+    """``gather_blocks`` (``index_select`` on blocks) reads what ``cache[tables]`` reads, for a
+    float cache and for the 8-bit ones (``Int8Blocks`` decodes what it gathers), row by row."""
+    from infer_lab.cache.kv_quant import Int8Blocks
+    from infer_lab.cache.paged import gather_blocks
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randn(9, 4, 2, 8, generator=g)
+    if codec is None:
+        cache = blocks
+    else:
+        store = Int8Blocks(torch.zeros(9, 4, 2, 8, dtype=torch.int8 if codec == "int8" else
+                                       torch.float8_e4m3fn),
+                           torch.zeros(9, 4, 2, dtype=torch.float16), torch.float32, codec)
+        store.view(-1, 2, 8)[torch.arange(36)] = blocks.view(-1, 2, 8)
+        cache = store
+    tables = torch.tensor([[3, 0, 7], [8, 8, 1]])
+    got = gather_blocks(cache, tables)
+    assert got.shape == (2, 12, 2, 8)
+    assert torch.equal(got, cache[tables].flatten(1, 2))
+    if codec is not None:  # and the codes really were decoded, not zeros
+        assert torch.allclose(got, blocks[tables].flatten(1, 2), atol=0.1, rtol=0.1)

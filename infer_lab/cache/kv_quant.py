@@ -153,6 +153,11 @@ class Int8Blocks:
     def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
         return _CODECS[self.codec][1](self.codes[index], self.scales[index], self.dtype)
 
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        """Whole blocks (``dim`` 0) or slots, decoded: what attention's gather reads."""
+        return _CODECS[self.codec][1](self.codes.index_select(dim, index),
+                                      self.scales.index_select(dim, index), self.dtype)
+
 
 class Int8PagedKVCache(PagedKVCache):
     """A paged cache whose K and V are int8 codes with an fp16 scale per token and head
