@@ -24,7 +24,7 @@ from infer_lab.serve.server import make_app
 from infer_lab.serve.tool_formats import FORMATS
 from infer_lab.serve.tools import auto_plan
 from tests.live_server import metric, running, wait_for
-from tests.tool_helpers import marker_model, streamed_like_whole, strict
+from tests.tool_helpers import marker_model, steered, streamed_like_whole, strict
 
 MODEL = "tiny-kjv"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -129,17 +129,7 @@ def steer(app, client):
         start = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
                                                max_tokens=1).usage.prompt_tokens
         script = engine.tokenizer.encode(text) + sorted(engine.eos_ids)[:1]
-
-        def forward(ids, positions, ctx):
-            logits = real(ids, positions, ctx)
-            idx = ctx.logits_indices
-            rows = (positions[idx] if idx is not None else positions).tolist()
-            for r, p in enumerate(rows):
-                if 0 <= p + 1 - start < len(script):
-                    logits[r, script[p + 1 - start]] += 1000.0
-            return logits
-
-        engine.runner.forward = forward
+        engine.runner.forward = steered(real, start, script)
         return script
 
     yield install

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import httpx
 import openai
@@ -29,7 +28,7 @@ from infer_lab.serve.limits import ServerLimits
 from infer_lab.serve.server import make_app
 from infer_lab.serve.tools import auto_plan
 from tests.live_server import metric, running, wait_for
-from tests.tool_helpers import accumulate
+from tests.tool_helpers import accumulate, steered
 
 MODEL = "tiny-kjv"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -83,20 +82,7 @@ def steer(app, client):
                                                max_tokens=1)
         start = first.usage.prompt_tokens
         script = engine.tokenizer.encode(text) + sorted(engine.eos_ids)[:1]
-
-        def forward(ids, positions, ctx):
-            if pause:
-                time.sleep(pause)
-            logits = real(ids, positions, ctx)
-            idx = ctx.logits_indices
-            rows = (positions[idx] if idx is not None else positions).tolist()
-            for r, p in enumerate(rows):
-                k = p + 1 - start
-                if 0 <= k < len(script):
-                    logits[r, script[k]] += 1000.0
-            return logits
-
-        engine.runner.forward = forward
+        engine.runner.forward = steered(real, start, script, pause)
 
     yield install
     engine.runner.forward = real

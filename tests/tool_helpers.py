@@ -1,11 +1,14 @@
 """Helpers for the tool-calling tests: reading a stream of tool-call deltas the way a client
-does, and a copy of the bundled model whose tokenizer has the tool-call markers as special
-tokens (as Mistral's and Llama 3's real tokenizers do)."""
+does, steering a served model to write a given text, and a copy of the bundled model whose
+tokenizer has the tool-call markers as special tokens (as Mistral's and Llama 3's real
+tokenizers do)."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,29 @@ from infer_lab.model.loader import BUNDLED_MODEL_DIR
 # the bundled BPE vocabulary: " overth", " overl"), so the model, whose vocabulary is full, can
 # write them as one token.
 MARKER_TOKENS = {"[TOOL_CALLS]": "Ġoverth", "<|python_tag|>": "Ġoverl"}
+
+
+def steered(real: Callable[..., Any], start: int, script: list[int],
+            pause: float = 0.0) -> Callable[..., Any]:
+    """A model runner's forward that makes the model write ``script``: the token at position
+    ``start + k`` (``start``: the prompt's length) gets +1000 on ``script[k]``'s logit, so greedy
+    decoding picks it unless a grammar refuses it. ``pause`` seconds per step give a stream's
+    reader time to send each token as its own chunk (a reader that lags gets the tokens it
+    missed merged into one chunk)."""
+
+    def forward(ids: Any, positions: Any, ctx: Any) -> Any:
+        if pause:
+            time.sleep(pause)
+        logits = real(ids, positions, ctx)
+        idx = ctx.logits_indices
+        rows = (positions[idx] if idx is not None else positions).tolist()
+        for r, p in enumerate(rows):
+            k = p + 1 - start
+            if 0 <= k < len(script):
+                logits[r, script[k]] += 1000.0
+        return logits
+
+    return forward
 
 
 def accumulate(chunks: Any) -> tuple[str, list[dict[str, Any]], str | None]:
