@@ -108,7 +108,7 @@ def matmul_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 def hot_and_cold(model: torch.nn.Module, repeats: int = 200) -> dict[str, float]:
     """GB/s of the int4 kernel at one row on the gate/up matrices: one layer's again and again
-    (its 0.9 MB stays in the core's caches) and the thirty layers' in turn (from memory). Equal
+    (its 1.1 MB stays in the caches, L3 here) and the thirty layers' in turn (from memory). Equal
     rates mean the kernel, not the memory, sets the pace."""
     from infer_lab.kernels.quant import quant_linear
 
