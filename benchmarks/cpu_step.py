@@ -241,9 +241,14 @@ def compile_comparison(rounds: int) -> dict[str, Any]:
                     compile_s=time.perf_counter() - start,
                     fused_cpp_kernels=len(set(re.findall(r"cpp_fused_\w+", src))),
                     aten_calls=len(re.findall(r"aten[.:]+\w+", src)),
+                    # the names of the int4 matmul entry points the code calls (comment lines
+                    # left out); int4mm_packed_weight_cpu and _weight_int4pack_mm_cpu_tensor
+                    # (the C++ wrapper's name for it) wrap the eager kernel
                     int4_kernels=sorted(set(re.findall(
-                        r"int4mm_packed_weight_cpu|_weight_int4pack_mm_for_cpu"
-                        r"|_convert_weight_to_int4pack_for_cpu", src))))
+                        r"int4mm_packed_weight_cpu|_weight_int4pack_mm_cpu_tensor"
+                        r"|_weight_int4pack_mm_for_cpu|_convert_weight_to_int4pack_for_cpu",
+                        "\n".join(line for line in src.splitlines()
+                                  if not line.lstrip().startswith(("#", "//")))))))
                 variants[name] = fn
             inductor_config.cpp_wrapper = False
             runs: dict[str, list[float]] = {k: [] for k in variants}
