@@ -2,7 +2,8 @@
 ``torch.compile`` does to it: SmolLM2-135M-Instruct with its GGUF file's own blocks kept.
 
 1. **Anatomy.** One request (a 64-token prompt) decodes through ``LLMEngine.step``; steps 33 to
-   96 are timed without a profiler (the median step), then profiled (``torch.profiler``). The
+   96 are timed without a profiler (the median step), then steps 34 to 49 of another request
+   are profiled (``torch.profiler``). The
    profiled self time is split by op: the Q4_1 layers' int4 matmuls
    (``_weight_int4pack_mm_for_cpu``), the Q8_0 head's per-group int8 calls
    (``_weight_int8pack_mm``), attention's kernels (the KV gather through the block table, the
