@@ -2,7 +2,7 @@
 ``torch.compile`` does to it: SmolLM2-135M-Instruct with its GGUF file's own blocks kept.
 
 1. **Anatomy.** One request (a 64-token prompt) decodes through ``LLMEngine.step``; steps 33 to
-   96 are timed without a profiler (the median step), then steps 34 to 49 of another request
+   96 are timed without a profiler (the median step), then steps 35 to 50 of another request
    are profiled (``torch.profiler``). The
    profiled self time is split by op: the Q4_1 layers' int4 matmuls
    (``_weight_int4pack_mm_for_cpu``), the Q8_0 head's per-group int8 calls
@@ -16,7 +16,7 @@
    positions; the paged cache's gather is data-dependent and out of this comparison), eager
    against ``torch.compile(fullgraph=True)`` with inductor's Python wrapper and with its C++
    wrapper (``cpp_wrapper``): compile seconds from an empty inductor cache (a first start; the
-   second variant finds the fused kernels the first one built),
+   C++ wrapper compiles its kernels into its own file),
    median ms a step over 60 steps, interleaved in rounds, and the generated code's fused C++
    kernels and the aten ops it still calls.
 
