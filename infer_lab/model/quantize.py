@@ -379,6 +379,16 @@ def _legacy_block_tensors(blocks: np.ndarray, qtype: str, rows: int, cols: int
     return "int4", {"qweight": packed, "scale": d, "minimum": minimum}
 
 
+def q4k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins of each Q4_K/Q5_K block's 12 scale bytes ``[B, 12]``
+    (here, not in :mod:`.quant.kquants`, which imports this module)."""
+    s = s.long()
+    lo_sc, lo_m, mid = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([lo_sc & 63, (mid & 15) | ((lo_sc >> 6) << 4)], dim=1)
+    m = torch.cat([lo_m & 63, (mid >> 4) | ((lo_m >> 6) << 4)], dim=1)
+    return sc, m
+
+
 def _k_block_tensors(blocks: np.ndarray, qtype: str, rows: int, cols: int
                      ) -> tuple[str, dict[str, torch.Tensor]]:
     """K-quant super-blocks ``[rows, cols / 256, size]`` (layouts: :mod:`.quant.kquants`) in the
@@ -398,8 +408,6 @@ def _k_block_tensors(blocks: np.ndarray, qtype: str, rows: int, cols: int
     - Q6_K: codes ``q - 32`` (-32..31) as ``int8g`` in groups of 16 (its sub-blocks) with
       ``scale = d * sc``; no minimum.
     """
-    from infer_lab.model.quant.kquants import q4k_scale_min  # that package imports this module
-
     nb = cols // 256
     b = blocks.reshape(rows * nb, -1)
     if qtype == "Q6_K":

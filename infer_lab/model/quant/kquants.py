@@ -35,6 +35,7 @@ import torch
 from infer_lab.model.quant import FormatError
 from infer_lab.model.quant.fp8 import check_finite
 from infer_lab.model.quant.mx import check_block
+from infer_lab.model.quantize import q4k_scale_min
 
 QK_K = 256
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -55,15 +56,6 @@ def _blocks(data: torch.Tensor | np.ndarray, qtype: str, name: str) -> torch.Ten
 
 
 # ------------------------------------------------------------------------------ Q4_K
-def q4k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The eight 6-bit scales and mins of each block's 12 scale bytes ``[B, 12]``."""
-    s = s.long()
-    lo_sc, lo_m, mid = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([lo_sc & 63, (mid & 15) | ((lo_sc >> 6) << 4)], dim=1)
-    m = torch.cat([lo_m & 63, (mid >> 4) | ((lo_m >> 6) << 4)], dim=1)
-    return sc, m
-
-
 def _scale_min_weights(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``d * sc[j] * q - dmin * m[j]`` of blocks ``b`` and their codes ``q [B, 8, 32]``."""
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
