@@ -115,17 +115,7 @@ def test_a_prequantized_checkpoint_runs_in_int4_as_its_dequantization(source, tm
         x = torch.tensor([ids])
         assert torch.equal(model(x), dense(x))
     # the engine (batched, paged KV) on that path: the dense model's greedy tokens
-    llm = il.LLM(model, tokenizer=tok, max_num_seqs=4)
-    params = il.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        ref = list(stream_naive(dense, ids, 12, set()))
-
-        def at(prefix, ids=ids):
-            with torch.inference_mode():
-                return dense(torch.tensor([ids + prefix]), last_only=True)[0, -1]
-        assert len(ref) == 12
-        assert_greedy_equal(out.outputs[0].token_ids, ref, at)
+    assert_engine_greedy_equals_dense(model, dense, tok)
     # the CPU int4 kernel (bf16 activations): close to the dense logits
     for m in layers:
         m.impl = None
@@ -305,17 +295,7 @@ def test_a_ragged_act_order_checkpoint_runs_as_its_dequantization(tmp_path, monk
     for m in layers.values():
         m.impl = None
     monkeypatch.setattr(qk, "CPU_ACTIVATION", None)
-    llm = il.LLM(model, tokenizer=tok, max_num_seqs=4)
-    params = il.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        ref = list(stream_naive(dense, ids, 12, set()))
-
-        def at(prefix, ids=ids):
-            with torch.inference_mode():
-                return dense(torch.tensor([ids + prefix]), last_only=True)[0, -1]
-        assert len(ref) == 12
-        assert_greedy_equal(out.outputs[0].token_ids, ref, at)
+    assert_engine_greedy_equals_dense(model, dense, tok)
 
 
 def _act_order_dir(source: Path, root: Path) -> Path:
@@ -410,3 +390,19 @@ def test_an_int4_layer_takes_only_a_permutation_of_its_inputs():
             QuantizedLinear("int4", tensors, 64, 16, None, GROUP, perm)
     with pytest.raises(QuantizationError, match="input_perm is for int4 layers, not int8"):
         QuantizedLinear("int8", {}, 64, 16, None, 0, torch.arange(64))
+
+
+def assert_engine_greedy_equals_dense(model, dense, tok) -> None:
+    """``il.LLM`` on ``model`` (batched, paged KV) gives ``dense``'s naive greedy tokens on
+    every prompt (12 each, the near-tie rule of ``assert_greedy_equal``)."""
+    llm = il.LLM(model, tokenizer=tok, max_num_seqs=4)
+    params = il.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        ref = list(stream_naive(dense, ids, 12, set()))
+
+        def at(prefix, ids=ids):
+            with torch.inference_mode():
+                return dense(torch.tensor([ids + prefix]), last_only=True)[0, -1]
+        assert len(ref) == 12
+        assert_greedy_equal(out.outputs[0].token_ids, ref, at)
