@@ -8,6 +8,13 @@ ask about modern subjects (robots, computers, trains) and include Chapter 9's fr
 ("Write a short story about a robot." and "... who learns to paint."); no held-out prompt is a
 training prompt (:func:`training_prompts` checks it), and no held-out subject is a training
 subject. Some instruction forms are shared ("Write a short story about ..."), some are not.
+
+A third of the training prompts (``kind="everyday"``) are everyday requests of the kind chat
+models are asked (stories, explanations, tips, letters, recipes, comparisons) about modern
+subjects written here; :func:`training_prompts` refuses any that names a held-out subject
+(:data:`HELD_OUT_WORDS`), so these share the held-out set's register and some of its instruction
+forms, never its subjects. EAGLE's own heads are trained the same way (ShareGPT conversations,
+measured on MT-bench's different ones).
 """
 
 from __future__ import annotations
@@ -83,6 +90,66 @@ OTHER_TEMPLATES = [
     ("What would a day be like for {x}?", PEOPLE),
     ("What is the difference between {x}?", [f"{a} and {b}" for a, b in PAIRS]),
 ]
+# Words naming the held-out prompts' subjects: no everyday training prompt may contain one.
+HELD_OUT_WORDS = {
+    "robot", "robots", "paint", "painting", "rocket", "rockets", "computer", "computers",
+    "information", "email", "manager", "language", "languages", "train", "trains", "station",
+    "focused", "studying", "study", "poem", "city", "cities", "lights", "sky", "blue",
+    "camping", "pack", "smartphone", "phone", "bicycle", "bike", "tea", "dialogue", "teacher",
+    "student", "nurse", "hospital",
+}
+EVERYDAY_SUBJECTS = [
+    "a dog who is afraid of the rain", "a lighthouse keeper", "a lost umbrella",
+    "a baker who opens a shop", "two friends on a road trip", "a cat who lives in a library",
+    "a boy who finds a treasure map", "an old man and his garden", "a small village by the sea",
+    "a snowy winter morning", "a summer afternoon at the beach", "a football match",
+    "a family dinner", "the first day at a new job", "a birthday party", "a thunderstorm",
+    "a walk in the forest", "a farmer's market", "a detective solving a mystery",
+    "a dragon who cannot fly", "a musician playing in the street", "a pair of old shoes",
+    "a hot air balloon ride", "an island with no people", "a bakery at dawn",
+    "a grandmother's recipe book", "a mountain climber", "a fox and a rabbit",
+    "a quiet bookshop", "a rainy Sunday", "a kite festival", "an ant colony",
+    "a river that changes its course", "a chess tournament", "an astronaut's first day in space",
+]
+EVERYDAY_TOPICS = [
+    "volcanoes", "the moon's phases", "how plants make food", "the water cycle",
+    "how vaccines work", "the stock market", "the Roman Empire", "earthquakes", "honeybees",
+    "the human heart", "rainbows", "recycling", "the Great Wall of China", "electricity",
+    "photosynthesis", "the ocean tides", "how airplanes fly", "dinosaurs", "the Olympic Games",
+    "coral reefs", "solar panels", "sleep", "the printing press", "glaciers", "magnets",
+    "how bread rises", "the solar system", "antibiotics", "deserts", "the immune system",
+]
+EVERYDAY_TASKS = [
+    "saving money", "learning to cook", "sleeping better", "running a first marathon",
+    "keeping a house plant alive", "writing a cover letter", "making new friends",
+    "staying calm before an exam", "starting a vegetable garden", "training a puppy",
+    "organizing a small kitchen", "getting up early", "reading more books",
+    "preparing for a job interview", "drinking more water", "cleaning a messy room",
+]
+EVERYDAY_RECIPES = ["pancakes", "a vegetable soup", "scrambled eggs", "a fruit salad",
+                    "fresh lemonade", "tomato sauce", "a simple omelette", "rice and beans",
+                    "banana bread", "a grilled cheese sandwich"]
+EVERYDAY_PAIRS = [("a cat", "a dog"), ("a lake", "an ocean"), ("weather", "climate"),
+                  ("a virus", "a bacterium"), ("coffee", "cocoa"),
+                  ("a crocodile", "an alligator"), ("a star", "a planet"),
+                  ("baking", "frying"), ("a novel", "a short story")]
+EVERYDAY_TEMPLATES = [
+    ("Write a short story about {x}.", EVERYDAY_SUBJECTS),
+    ("Describe {x} in a few sentences.", EVERYDAY_SUBJECTS),
+    ("Write a letter to a friend about {x}.", EVERYDAY_SUBJECTS),
+    ("Explain {x} to a ten-year-old.", EVERYDAY_TOPICS),
+    ("Tell me three interesting facts about {x}.", EVERYDAY_TOPICS),
+    ("Why are {x} important?", EVERYDAY_TOPICS),
+    ("Write a paragraph about {x}.", EVERYDAY_TOPICS),
+    ("Give me five tips for {x}.", EVERYDAY_TASKS),
+    ("What are the benefits of {x}?", EVERYDAY_TASKS),
+    ("How do I get started with {x}?", EVERYDAY_TASKS),
+    ("How do I make {x}?", EVERYDAY_RECIPES),
+    ("Write a recipe for {x}.", EVERYDAY_RECIPES),
+    ("What is the difference between {x}?", [f"{a} and {b}" for a, b in EVERYDAY_PAIRS]),
+]
+EVERYDAY_SUFFIXES = ["", " Keep it short.", " Use simple words.", " Answer in a few sentences.",
+                     " Make it cheerful."]
 VERSE_RE = re.compile(r"^\S+\d+:\d+\s+(.*)$")
 
 
@@ -101,13 +168,23 @@ def kjv_verses() -> list[str]:
     return verses
 
 
-def training_prompts(n: int, seed: int = 0, verses: list[str] | None = None) -> list[str]:
-    """``n`` distinct training prompts (about half carry one to three consecutive verses),
-    seeded; none of them is a held-out prompt."""
+def training_prompts(n: int, seed: int = 0, verses: list[str] | None = None,
+                     everyday: float = 0.0) -> list[str]:
+    """``n`` distinct training prompts, seeded: a fraction ``everyday`` of draws are everyday
+    prompts (about 1,500 distinct ones), the rest KJV prompts (about half of
+    them carrying one to three consecutive verses); none of them is a held-out prompt."""
     verses = kjv_verses() if verses is None else verses
     rng = random.Random(seed)
     out: dict[str, None] = {}
     while len(out) < n:
+        kind = rng.random()
+        if kind < everyday:
+            template, fill = rng.choice(EVERYDAY_TEMPLATES)
+            prompt = template.format(x=rng.choice(fill)) + rng.choice(EVERYDAY_SUFFIXES)
+            if set(re.findall(r"[a-z]+", prompt.lower())) & HELD_OUT_WORDS:
+                raise AssertionError(f"an everyday prompt names a held-out subject: {prompt}")
+            out.setdefault(prompt, None)
+            continue
         kind = rng.random()
         if kind < 0.5:
             i = rng.randrange(len(verses) - 3)

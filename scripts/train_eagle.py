@@ -75,7 +75,7 @@ def get_data(model, tok, args) -> tuple[list[Sample], dict]:
         blob = torch.load(cache, weights_only=False)
         log(f"data from {cache}: {len(blob['samples'])} answers")
         return blob["samples"], blob["info"]
-    prompts = training_prompts(args.num_prompts, seed=args.seed)
+    prompts = training_prompts(args.num_prompts, seed=args.seed, everyday=args.everyday)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)
            for p in prompts]
     start = time.perf_counter()
@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train-minutes", type=float, default=14.0,
                     help="wall-clock budget for training (default 14)")
     ap.add_argument("--num-prompts", type=int, default=3000, help="prompts available")
+    ap.add_argument("--everyday", type=float, default=0.4,
+                    help="fraction of prompts drawn from the everyday templates (default 0.4; "
+                    "the rest are KJV prompts)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
     ap.add_argument("--batch", type=int, default=48, help="answers generated at once")
     ap.add_argument("--draft-vocab", type=int, default=8192)

@@ -213,14 +213,19 @@ def vocab_size(tok_dir: Path) -> int:
     return Tokenizer.from_dir(tok_dir).vocab_size
 
 
-def assert_logits_match(ours, source, tol: float = 1e-4) -> None:
+def assert_logits_match(ours, source, rel: float = 1e-5) -> None:
+    """Our logits equal transformers' to ``rel`` of their largest magnitude: both are fp32, but
+    through different libraries (oneDNN here on a CPU, MKL there), so they agree to fp32's
+    accuracy at these logits' scale (about 100-300), not to the bit; a wrong tensor is off by
+    whole units."""
     for ids in PROMPTS:
         x = torch.tensor([ids])
         with torch.no_grad():
             ref = source(x).logits
             got = ours(x)
         assert got.shape == ref.shape
-        assert torch.allclose(got, ref, atol=tol, rtol=0), float((got - ref).abs().max())
+        tol = rel * float(ref.abs().max())
+        assert torch.allclose(got, ref, atol=tol, rtol=0), (float((got - ref).abs().max()), tol)
         assert ref.std() > 0.1  # the logits are far from flat: a wrong tensor would show
 
 

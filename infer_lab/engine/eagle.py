@@ -47,6 +47,7 @@ from infer_lab.cache.kv_quant import attention_backend_for, make_paged_kv_cache
 from infer_lab.cache.paged import PagedAttentionContext
 from infer_lab.engine.draft_tree import DraftTree, chain_paths, tree_mask, tree_parents
 from infer_lab.engine.sampler import sampling_probs
+from infer_lab.kernels.linear import linear
 from infer_lab.model.eagle_head import EagleHead, load_eagle_head
 from infer_lab.utils import cdiv
 
@@ -206,7 +207,7 @@ class EagleProposer:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[rows, V']``."""
         if self.lm_rows is not None:
-            return hidden @ self.lm_rows.T
+            return linear(hidden, self.lm_rows)
         return self.target.compute_logits(hidden)[:, self.head.draft_vocab]
 
     def _fill_level(self, level: list[int], live: list[int], seqs: list, nodes: list[int],

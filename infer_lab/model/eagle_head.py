@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from infer_lab.model.config import ModelConfig
+from infer_lab.model.linear import Linear
 from infer_lab.model.transformer import DecoderLayer, Transformer
 
 FORMAT = "infer_lab-eagle-1"
@@ -60,7 +61,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = layer_config(cfg)
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.fc = Linear(2 * h, h, bias=True)
         self.layer = DecoderLayer(self.config, 0)
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)
         self.trained_depth = int(trained_depth)

@@ -27,6 +27,7 @@ from torch import nn
 from infer_lab.kernels import silu_and_mul
 from infer_lab.kernels.moe import fused_experts, select_experts
 from infer_lab.model.config import ModelConfig
+from infer_lab.model.linear import Linear
 from infer_lab.model.moe_config import MoEConfigError
 
 RouterHook = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -52,8 +53,8 @@ class SharedExpert(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -9,12 +9,13 @@ larger matmuls; the loader splices the checkpoint's separate tensors into them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infer_lab.kernels import apply_rope, rms_norm, silu_and_mul
+from infer_lab.kernels.linear import linear
 from infer_lab.model.attention import AttentionContext, causal_attention
 from infer_lab.model.config import ModelConfig
+from infer_lab.model.linear import Linear
 from infer_lab.model.moe import SparseMoeBlock
 from infer_lab.model.rope import rope_inv_freq
 
@@ -39,8 +40,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.qkv_split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_split), bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, sum(self.qkv_split), bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -71,10 +72,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias
         )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -122,7 +123,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
         )
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.reset_rope()
@@ -193,5 +194,5 @@ class Transformer(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(h, self.embed_tokens.weight)
+            return linear(h, self.embed_tokens.weight)
         return self.lm_head(h)  # nn.Linear, or a quantized head (Chapter 8)
