@@ -18,16 +18,24 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STARTED = dt.datetime.now(dt.timezone.utc)
 
 
-def provenance(device: str) -> dict[str, Any]:
-    """Where and when a number was taken: device, host, commit, start and end (``date``) of
-    the run, library versions."""
+def git_state(cwd: Path) -> tuple[str, bool | None]:
+    """The short commit of ``cwd``'s checkout, and whether its tracked files differ from it (a
+    run with uncommitted changes is not exactly that commit's code); "unknown"/None outside
+    git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=cwd).stdout.strip()
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
+        return git("rev-parse", "--short", "HEAD"), bool(
+            git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        return "unknown", None
+
+
+def provenance(device: str) -> dict[str, Any]:
+    """Where and when a number was taken: device, host, commit (and whether tracked files had
+    uncommitted changes), start and end (``date``) of the run, library versions."""
+    commit, dirty = git_state(Path(__file__).parent)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else cpu_model()
     return {
         "device": device,
@@ -36,6 +44,7 @@ def provenance(device: str) -> dict[str, Any]:
         "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
         "commit": commit,
+        "uncommitted_changes": dirty,
         "started": STARTED.isoformat(timespec="seconds"),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,

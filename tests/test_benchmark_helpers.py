@@ -173,3 +173,24 @@ def test_eagle_serve_ratio_is_taken_within_each_round():
     partial = summary(raw[:1] + [{**raw[0], "concurrency": 32}, {**raw[1], "concurrency": 1}])
     assert [(r["method"], r["concurrency"], r["ratio"]) for r in partial] == [
         ("none", 8, 1.0), ("none", 32, 1.0), ("eagle k=2", 1, None)]
+
+
+def test_provenance_says_whether_the_code_was_the_commits(tmp_path):
+    """A run with uncommitted changes to tracked files is marked: its commit alone does not
+    name the code that ran. Checked on a scratch repository, clean and then edited."""
+    import subprocess
+
+    from benchmarks._common import git_state
+
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    commit, dirty = git_state(tmp_path)
+    assert len(commit) >= 7 and dirty is False
+    (tmp_path / "b.py").write_text("untracked\n")  # untracked files are not the run's code
+    assert git_state(tmp_path) == (commit, False)
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_state(tmp_path) == (commit, True)
+    assert "uncommitted_changes" in provenance("cpu")
