@@ -24,7 +24,9 @@ tokens); the draft's measured cost c (proposer time per draft over k, the config
 over a baseline decode step's time, same clock; a draft cut short near max_tokens still counts
 k) and Leviathan et al.'s expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)) from the
 measured per-token acceptance a, beside the measured one (for a tree, k is its depth and c its
-whole proposal's cost over k).
+whole proposal's cost over k). The formula prices a verification at one plain step; the
+measured price, v (a step's time less its draft's, over a plain step's), is recorded too, and
+with it the measured speedup is tokens per step / (v + k c) (all rounds pooled).
 
     python -m benchmarks.eagle [--rounds 1] [--max-tokens 32] [--prompts 16] [--threads 1]
         [--clock cpu|wall] [--out DIR]
@@ -103,6 +105,15 @@ def depth(spec: dict[str, Any]) -> int:
     return int(spec["num_speculative_tokens"])
 
 
+def verify_cost(runs: list[dict], step_s: float) -> float:
+    """v: what a step costs beyond its draft, in plain decode steps (the target's forward of
+    the k + 1 or tree tokens, and the engine's work for them). Leviathan's formula takes v = 1;
+    with it the measured speedup decomposes exactly: tokens per step / (v + k c)."""
+    steps = sum(r["steps"] for r in runs)
+    rest = sum(r["seconds"] - r["propose_s"] for r in runs)
+    return rest / max(1, steps) / step_s
+
+
 def leviathan(a: float, k: int, c: float) -> float:
     """Expected speedup of k guesses per step at per-token acceptance a and draft cost c."""
     tokens = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
@@ -162,6 +173,7 @@ def summarize(name: str, spec: dict, runs: list[dict], bases: list[dict],
     alpha = lo
     step_s = sum(b["seconds"] for b in bases) / sum(b["steps"] for b in bases)
     draft_c = sum(r["propose_s"] for r in runs) / max(1, drafts) / k / step_s
+    verify_v = verify_cost(runs, step_s)
     speedups = [b["seconds"] / r["seconds"] for r, b in zip(runs, bases)]
     s = spread(speedups)
     prompts = per_prompt(runs, bases, n_prompts)
@@ -176,6 +188,7 @@ def summarize(name: str, spec: dict, runs: list[dict], bases: list[dict],
             "accepted_length_hist": [h / drafts for h in hist] if drafts else [],
             "alpha": alpha, "draft_cost_c": draft_c,
             "predicted_speedup": leviathan(alpha, k, draft_c) if drafts else None,
+            "verify_cost_v": verify_v,
             "speedup": s["median"], "speedup_lo": s["lo"], "speedup_hi": s["hi"],
             "speedups": s["values"],
             "identical": all(r["tokens"] == b["tokens"] for r, b in zip(runs, bases))}

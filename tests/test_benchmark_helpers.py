@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 
 import numpy as np
+import pytest
 
 import infer_lab as il
 from benchmarks._common import provenance
@@ -150,6 +151,24 @@ def test_eagle_intervals_take_prompts_as_the_unit():
     lo, hi = pooled_length_ci([10, 0] * 4, [10] * 8)
     assert 1.0 <= lo < 1.5 < hi <= 2.0  # the pooled 1.5, inside a real interval
     assert np.isnan(pooled_length_ci([3], [4])).all()  # one prompt: no interval
+
+
+def test_eagle_speedup_decomposes_into_tokens_verification_and_draft():
+    """benchmarks/eagle.py: with v (a step's cost less its draft's, in plain steps) the
+    measured speedup is exactly tokens per step / (v + k c)."""
+    from benchmarks.eagle import summarize
+
+    spec = {"method": "eagle", "num_speculative_tokens": 2}
+    # plain: 20 steps of 0.01 s; EAGLE: 10 steps of 0.015 s verify + 0.002 s draft
+    bases = [{"seconds": 0.2, "steps": 20, "tokens": [1] * 20}]
+    runs = [{"seconds": 0.17, "steps": 10, "propose_s": 0.02, "num_drafts": 10,
+             "draft_tokens": 20, "accepted_tokens": 10, "per_pos": [10], "tokens": [1] * 20}]
+    row = summarize("eagle k=2", spec, runs, bases, 1)
+    assert row["verify_cost_v"] == pytest.approx(1.5)
+    assert row["draft_cost_c"] == pytest.approx(0.1)
+    tokens = row["mean_accepted_length"]
+    assert tokens == 2.0
+    assert row["speedup"] == pytest.approx(tokens / (row["verify_cost_v"] + 2 * 0.1))
 
 
 def test_eagle_serve_ratio_is_taken_within_each_round():
