@@ -13,7 +13,9 @@ concurrency on both servers back to back, in an order that alternates from round
 change in the shared machine's load falls on a pair; a round's ratio is its two throughputs'
 ratio. Per point: the median over rounds of output tokens/s, ITL p50 and TPOT p50 with the
 smallest and largest, the ratio to no speculation likewise, and the load average when each run
-ended.
+ended. From six rounds on, ``ratio_ci95`` is a distribution-free 95 % interval of the median
+ratio (``measure.stats.median_ci``: order statistics of the rounds, taken as independent
+repeats; with six, their smallest to largest); with fewer, None.
 
 ITL is per streamed chunk (vLLM's definition): a verification that keeps several tokens sends
 them in one chunk, so with speculation ITL p50 is the time between verifications and TPOT
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -39,6 +42,7 @@ from benchmarks._common import RESULTS, print_table, provenance
 from benchmarks.eagle import HEAD
 from benchmarks.eagle_prompts import HELD_OUT
 from benchmarks.speculative import chat, spread
+from infer_lab.measure.stats import median_ci
 
 MODEL = "smollm2-135m-instruct"
 KEYS = ("output_tok_s", "itl_p50_ms", "tpot_p50_ms", "ttft_p50_ms")
@@ -90,6 +94,8 @@ def summary(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
                       if (r["round"], c) in base]
             s = spread(ratios) if ratios else {"median": None, "lo": None, "hi": None}
             row.update(ratio=s["median"], ratio_lo=s["lo"], ratio_hi=s["hi"])
+            ci = median_ci(ratios) if ratios else (math.nan, math.nan)  # rounds: the unit
+            row["ratio_ci95"] = None if math.isnan(ci[0]) else list(ci)
             row["load_average"] = [min(r["load_average"] for r in runs),
                                    max(r["load_average"] for r in runs)]
             rows.append(row)

@@ -188,6 +188,9 @@ def test_eagle_serve_ratio_is_taken_within_each_round():
     assert (spec["ratio"], spec["ratio_lo"], spec["ratio_hi"]) == (0.5, 0.5, 0.6)
     assert spec["output_tok_s"] == 12.0 and spec["rounds"] == 3  # the median of the rounds
     assert rows["none"]["ratio"] == 1.0 and spec["load_average"] == [2.0, 4.0]
+    assert spec["ratio_ci95"] is None  # three rounds: too few for a 95 % interval
+    six = [{**r, "round": r["round"] + 3 * i} for i in range(2) for r in raw]
+    assert {r["method"]: r for r in summary(six)}["eagle k=2"]["ratio_ci95"] == [0.5, 0.6]
     # part-way through a sweep (the JSON is written after every point): what is there
     partial = summary(raw[:1] + [{**raw[0], "concurrency": 32}, {**raw[1], "concurrency": 1}])
     assert [(r["method"], r["concurrency"], r["ratio"]) for r in partial] == [
