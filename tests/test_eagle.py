@@ -16,6 +16,7 @@ bad heads, trees and depths are refused with the reason.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -123,6 +124,26 @@ def test_greedy_unchanged_in_a_mixed_batch_with_preemption_and_chunks(bundled, h
     for prompt, a, b in zip(PROMPTS, outs, base):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, prompt
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+
+
+def test_quantized_target_drafts_from_dequantized_rows_and_keeps_its_output(head):
+    """A target with quantized weights and head (int8 here; a GGUF file's kept blocks alike):
+    the draft scores its vocabulary's rows dequantized once (not the whole quantized head per
+    guess), and greedy output stays the quantized target's own."""
+    from infer_lab.model.quantize import quantize_model
+
+    model, tok = il.load(device="cpu", dtype=torch.float32)
+    model = quantize_model(model, "int8")
+    params = SamplingParams(max_tokens=24, temperature=0)
+    base, _ = run(model, tok, PROMPTS, params)
+    qhead = copy.deepcopy(head)
+    outs, engine = run(model, tok, PROMPTS, params, chain(qhead))
+    rows = engine.spec.proposer.lm_rows
+    assert rows is not None and rows.shape == (len(qhead.draft_vocab), model.config.hidden_size)
+    torch.testing.assert_close(rows, model.lm_head.dequantize()[qhead.draft_vocab])
+    assert engine.get_stats().spec_num_accepted_tokens > 0
+    for a, b in zip(outs, base):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 def test_tree_keeps_other_branches_and_moves_their_cache(bundled, head):

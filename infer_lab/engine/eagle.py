@@ -99,14 +99,21 @@ class EagleProposer:
         runner.hidden_states_hook = self.on_forward
 
     def _draft_lm_head(self) -> torch.Tensor | None:
-        """The target's LM-head rows of the draft vocabulary (None: a quantized head, whose
-        logits are computed whole and then indexed)."""
+        """The target's LM-head rows of the draft vocabulary, in the draft's dtype: a quantized
+        head (a GGUF file's Q8_0 table, say) is dequantized once, so a draft step scores its
+        V' rows, not the whole vocabulary through the quantized kernel. (A guess scored from
+        the dequantized rows can differ from the target's own scoring in the last bits; the
+        target verifies every guess, so that costs acceptance, never output.) None: a head of
+        neither kind, whose logits are computed whole and then indexed."""
         t = self.target
-        weight = t.embed_tokens.weight if t.lm_head is None else getattr(t.lm_head, "weight",
-                                                                          None)
-        if not isinstance(weight, torch.Tensor) or weight.dtype != self.dtype:
-            return None
-        return weight[self.head.draft_vocab].contiguous()
+        head = t.lm_head
+        weight = t.embed_tokens.weight if head is None else getattr(head, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dtype == self.dtype:
+            return weight[self.head.draft_vocab].contiguous()
+        dequantize = getattr(head, "dequantize", None)
+        if callable(dequantize):
+            return dequantize(self.dtype)[self.head.draft_vocab].contiguous()
+        return None
 
     # ------------------------------------------------------------------ the target's side
     @torch.inference_mode()
