@@ -136,40 +136,41 @@ def _call(name: str, arguments: Any) -> Call:
     return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
 
 
-def _written(text: str, at: int) -> tuple[int, bool]:
+# What json_written looks at: a string (escapes skipped; group 1 the closing quote, absent while
+# it is open) or a bracket; everything else (numbers, literals, commas, colons, whitespace) is
+# stepped over inside the regex engine, not a Python loop (a stream scans its call once a chunk).
+_JSON_PARTS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(")?|[{}\[\]]', re.DOTALL)
+
+
+def json_written(text: str, at: int) -> tuple[int, bool]:
     """How much of the JSON value at ``at`` is surely written: (its end, True) once complete,
     else (where the text that is surely part of it ends, False). An object, array or string is
     sent as it grows; a bare number, ``true``, ``false`` or ``null`` only whole (its end shows
-    only in what follows). Validity is the grammar's business: this only counts brackets."""
-    depth, in_string, escaped = 0, False, False
+    only in what follows). Validity is the grammar's business: this only counts brackets,
+    outside strings (a quote or bracket escaped or inside a string does not count)."""
     if at >= len(text) or text[at] not in '{["':
         return at, False
-    for i in range(at, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1, True
-        elif c == '"':
-            in_string = True
+    depth = 0
+    for m in _JSON_PARTS.finditer(text, at):
+        c = text[m.start()]
+        if c == '"':
+            if m.group(1) is None:  # a string still open: the rest of the text is in it
+                return len(text), False
+            if depth == 0:
+                return m.end(), True
         elif c in "{[":
             depth += 1
-        elif c in "}]":
+        else:
             depth -= 1
             if depth == 0:
-                return i + 1, True
+                return m.end(), True
     return len(text), False
 
 
 def _open_call(name: str, text: str, at: int) -> Call:
     """A call whose arguments begin at ``at`` (after whitespace), as far as they are written."""
     start = _WS.match(text, at).end()
-    return {"name": name, "arguments": text[start:_written(text, start)[0]]}
+    return {"name": name, "arguments": text[start:json_written(text, start)[0]]}
 
 
 def _raw_call(name: str, text: str, at: int) -> tuple[Call, int] | None:
