@@ -503,17 +503,29 @@ def test_chunked_alone_and_length_alone_still_work_on_one_connection(server):
                                                  "function": {"name": "get_weather"}}])
 @pytest.mark.parametrize("stop", [{"stop": ['"']}, {"stop": ["{"]}, {"stop": [":"]}])
 def test_a_stop_string_inside_the_json_is_not_a_tool_call(server, choice, stop):
+    """The call is cut where the stop string fires, so it is dropped as a cut call is: the
+    whole answer has no ``tool_calls`` and no JSON as content; a stream, which sends a call as it
+    is written, has sent at most the part written before its last chunk, never a whole call:
+    no chunk says ``tool_calls``, the last one sends no call, and the arguments sent do not
+    parse."""
     body = {"messages": ASK, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 40,
             **stop}
     r = post(server, CHAT, body)
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
     assert c["finish_reason"] == "stop" and not c["message"].get("tool_calls")
-    assert isinstance(c["message"]["content"], str)
+    assert c["message"]["content"] == ""
     events = stream_events(server, {**body, "stream": True})
     assert events[-1] == "[DONE]"
-    last = json.loads(events[-2])["choices"][0]
-    assert last["finish_reason"] == "stop" and "tool_calls" not in last["delta"]
+    choices = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert choices[-1]["finish_reason"] == "stop" and "tool_calls" not in choices[-1]["delta"]
+    assert all(ch["finish_reason"] in (None, "stop") for ch in choices)
+    assert not any("{" in (ch["delta"].get("content") or "") for ch in choices)
+    deltas = [d["function"] for ch in choices for d in ch["delta"].get("tool_calls", [])]
+    assert {d["name"] for d in deltas if "name" in d} <= {"get_weather"}
+    with pytest.raises(ValueError):
+        json.loads("".join(d.get("arguments", "") for d in deltas))
+    assert wait_for(lambda: metric(server, "kv_cache_blocks_used") == 0, 30)
 
 
 def test_a_complete_tool_call_is_still_one(server):

@@ -1,5 +1,6 @@
 """``tool_choice: "auto"`` / ``"none"`` and ``parallel_tool_calls`` (issue 29), through the
-official ``openai`` client, streaming and not.
+official ``openai`` client, streaming and not; and the forced calls (``"required"``, a named
+function) streamed as they are written, as "auto"'s are.
 
 The bundled model does not call tools of its own accord, so the tests that need a call steer it:
 a wrapper around the runner's forward adds +1000 to the logits of a scripted token at each
@@ -25,10 +26,11 @@ import pytest
 
 from infer_lab.model.loader import BUNDLED_MODEL_DIR
 from infer_lab.serve.limits import ServerLimits
+from infer_lab.serve.protocol import ChatCompletionRequest
 from infer_lab.serve.server import make_app
-from infer_lab.serve.tools import auto_plan
+from infer_lab.serve.tools import ToolStream, auto_plan, tool_plan
 from tests.live_server import metric, running, wait_for
-from tests.tool_helpers import accumulate, steered
+from tests.tool_helpers import accumulate, steered, streamed_like_whole, strict
 
 MODEL = "tiny-kjv"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -38,6 +40,18 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+# A tool whose arguments nest an object in an object and hold a string with escaped quotes,
+# braces, a colon and a comma: what a forced call's stream must not take for the JSON's own.
+NOTE = {"type": "function", "function": {"name": "take_note", "parameters": {
+    "type": "object", "properties": {
+        "text": {"type": "string"},
+        "where": {"type": "object", "properties": {"city": {"type": "string",
+                                                            "enum": ["Paris", "Rome"]}},
+                  "required": ["city"], "additionalProperties": False}},
+    "required": ["text", "where"], "additionalProperties": False}}}
+NOTE_ARGS = '{"text": "say \\"hi}\\" {not: json}, ok", "where": {"city": "Rome"}}'
+FORCED = {"required": ("required", '{"name": "take_note", "arguments": ' + NOTE_ARGS + "}"),
+          "named": ({"type": "function", "function": {"name": "take_note"}}, NOTE_ARGS)}
 # The bundled model's format with a tools section, "### " before each message (so that it is
 # told apart from the bundled template) and, for the message "spin", a render that never ends.
 TOOLS_TEMPLATE = (
@@ -70,16 +84,17 @@ def client(server):
 
 @pytest.fixture()
 def steer(app, client):
-    """``steer(text, tools, pause=0)``: the model writes ``text`` after the prompt of ASK with those
-    tools (as tokens of the tokenizer; the grammar may still refuse them). ``pause`` seconds
-    per step give a stream's reader time to send each token as its own chunk (a reader that
-    lags gets the tokens it missed merged into one chunk)."""
+    """``steer(text, tools, pause=0, **kw)``: the model writes ``text`` after the prompt of ASK
+    with those tools and ``kw`` (a ``tool_choice``: its prompt differs), as tokens of the
+    tokenizer (the grammar may still refuse them). ``pause`` seconds per step give a stream's
+    reader time to send each token as its own chunk (a reader that lags gets the tokens it
+    missed merged into one chunk)."""
     engine = app.state.server.engine.engine
     real = engine.runner.forward
 
-    def install(text: str, tools: list[dict], pause: float = 0.0) -> None:
+    def install(text: str, tools: list[dict], pause: float = 0.0, **kw) -> None:
         first = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
-                                               max_tokens=1)
+                                               max_tokens=1, **kw)  # kw: the prompt's tool_choice
         start = first.usage.prompt_tokens
         script = engine.tokenizer.encode(text) + sorted(engine.eos_ids)[:1]
         engine.runner.forward = steered(real, start, script, pause)
@@ -188,6 +203,101 @@ def test_a_call_cut_mid_arguments_has_streamed_the_part_it_wrote(app, client, se
     c = whole.choices[0]
     assert c.finish_reason == "length" and not c.message.tool_calls
     assert "<tool" not in (c.message.content or "")
+    assert no_blocks_held(server)
+
+
+FUNCTIONS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, NOTE)}
+# The forced outputs as the grammar writes them, and with free whitespace (what a grammar with
+# any_whitespace would allow): the arguments are found either way.
+SPACED = {"required": ' {\n "name" : "take_note" ,\n "arguments":\t' + NOTE_ARGS + " \n}\n",
+          "named": "\n " + NOTE_ARGS + " "}
+
+
+@pytest.mark.parametrize("how", list(FORCED))
+@pytest.mark.parametrize("spaced", [False, True])
+def test_a_forced_calls_arguments_are_found_in_the_growing_json(how, spaced):
+    """The output arriving 1 to 4 characters at a time: the call's first delta (``index``,
+    ``id``, ``type``, name) comes before its JSON is complete, the rest carry only argument
+    text, and the pieces add up to exactly the whole answer's arguments at every split of the
+    escaped quotes and braces; nothing is content. Cut anywhere, the output sends no complete
+    call and what it sent is a prefix of the arguments."""
+    choice, text = FORCED[how]
+    text = SPACED[how] if spaced else text
+    plan = tool_plan(ChatCompletionRequest(messages=ASK, tools=[WEATHER, NOTE],
+                                           tool_choice=choice))
+    whole = plan.call(text, "c")
+    assert whole["function"] == {"name": "take_note", "arguments": NOTE_ARGS}
+    for step in (1, 2, 3, 4):
+        state, content, pieces = ToolStream(), "", []
+        for at in range(0, len(text), step):
+            piece, deltas = state.delta(plan, text[at:at + step], at + step >= len(text), "c")
+            content += piece
+            for d in deltas:
+                if not pieces:
+                    assert at + step < len(text)  # before the JSON is complete
+                    assert d == {"index": 0, "id": "c_0", "type": "function", "function": {
+                        "name": "take_note", "arguments": d["function"]["arguments"]}}
+                else:
+                    assert d.keys() == {"index", "function"} and d["function"].keys() == {
+                        "arguments"} and d["index"] == 0
+                pieces.append(d["function"]["arguments"])
+        assert content == "" and "".join(pieces) == NOTE_ARGS
+        assert len([p for p in pieces if p]) > 1
+    for end in range(len(text.rstrip()) - 1):  # cut before the last brace: never a call
+        state = ToolStream()
+        _, deltas = state.delta(plan, text[:end], True, "c")
+        assert deltas == [] and state.calls == [] and plan.call(text[:end], "c") is None
+        state = ToolStream()
+        state.delta(plan, text[:end], False, "c")
+        assert all(NOTE_ARGS.startswith(sent) for sent in state.sent)
+
+
+@pytest.mark.parametrize("how", list(FORCED))
+def test_a_forced_call_streams_as_it_is_written(client, server, steer, how):
+    """``tool_choice`` "required" or a named function, greedy, whole and through the ``openai``
+    client's stream helper: the stream sends the call's ``index``, ``id``, ``type`` and name
+    first, then its arguments in several pieces that add up to exactly the whole answer's
+    (escaped quotes, braces and nesting in them included), and none of its JSON as content."""
+    choice, script = FORCED[how]
+    tools = [strict(WEATHER), strict(NOTE)]
+    steer(script, tools, pause=0.02, tool_choice=choice)
+    kw = {"model": MODEL, "messages": ASK, "tools": tools, "tool_choice": choice,
+          "max_tokens": 100, "temperature": 0}
+    whole, [call], content = streamed_like_whole(client, **kw)
+    assert whole.message.content is None
+    assert call["name"] == "take_note" and call["arguments"] == NOTE_ARGS
+    assert json.loads(call["arguments"])["where"] == {"city": "Rome"}
+    assert "{" not in content and "take_note" not in content
+    # the name comes before the arguments are complete: a named function's in the stream's
+    # first chunk, "required"'s as soon as the name in its JSON is
+    assert len(call["first"]["function"]["arguments"] or "") < len(NOTE_ARGS)
+    first = list(client.chat.completions.create(stream=True, **kw))[0].choices[0].delta
+    assert first.role == "assistant"
+    if how == "named":
+        assert first.tool_calls[0].function.name == "take_note"
+    assert no_blocks_held(server)
+
+
+@pytest.mark.parametrize("how", list(FORCED))
+def test_a_forced_call_cut_by_max_tokens_behaves_as_autos(app, client, server, steer, how):
+    """Cut in its arguments by ``max_tokens``: the stream has sent the name and the part of the
+    arguments written before its last chunk (a prefix of the uncut call's), and says
+    ``length``; the whole answer has no call and no JSON as content."""
+    choice, script = FORCED[how]
+    steer(script, [WEATHER, NOTE], pause=0.02, tool_choice=choice)
+    kw = {"tools": [WEATHER, NOTE], "tool_choice": choice, "temperature": 0}
+    tokenizer = app.state.server.engine.engine.tokenizer
+    ids = tokenizer.encode(script)
+    cut = next(k for k in range(len(ids)) if "{not" in tokenizer.decode(ids[:k]))
+    content, calls, reason = stream(client, max_tokens=cut, **kw)
+    assert reason == "length" and "{" not in content
+    [part] = calls
+    assert part["name"] == "take_note" and part["arguments"]
+    assert NOTE_ARGS.startswith(part["arguments"]) and part["arguments"] != NOTE_ARGS
+    c = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=cut, **kw)
+    c = c.choices[0]
+    assert c.finish_reason == "length" and not c.message.tool_calls
+    assert not c.message.content
     assert no_blocks_held(server)
 
 

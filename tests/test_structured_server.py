@@ -15,6 +15,7 @@ import torch
 import infer_lab as il
 from infer_lab.serve.server import build_app
 from tests.live_server import metric, running
+from tests.tool_helpers import accumulate
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},
@@ -98,30 +99,28 @@ def test_streamed_json_is_the_whole_json(server):
     jsonschema.validate(json.loads(text), PERSON)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_named_and_required_tool_calls_validate(server, stream):
+def test_named_and_required_tool_calls_validate(server):
+    """A forced call validates against its function's schema; the same greedy request streamed
+    sends that same call as it is written (put together by ``index``, as a client does), with
+    nothing as content."""
     base, name, client = server
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     for choice, expected in (({"type": "function", "function": {"name": "get_weather"}},
                               {"get_weather"}), ("required", {"get_weather", "get_time"})):
-        r = client.chat.completions.create(model=name, messages=ask, max_tokens=120,
-                                           temperature=0, tools=[WEATHER, TIME],
-                                           tool_choice=choice, stream=stream)
-        if stream:
-            calls, reason = [], None
-            for chunk in r:
-                if chunk.choices:
-                    calls += chunk.choices[0].delta.tool_calls or []
-                    reason = chunk.choices[0].finish_reason or reason
-            assert reason == "tool_calls" and len(calls) == 1
-            call = calls[0]
-        else:
-            assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
-            assert r.choices[0].message.content is None
-            (call,) = r.choices[0].message.tool_calls
+        kw = {"model": name, "messages": ask, "max_tokens": 120, "temperature": 0,
+              "tools": [WEATHER, TIME], "tool_choice": choice}
+        r = client.chat.completions.create(**kw)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+        assert r.choices[0].message.content is None
+        (call,) = r.choices[0].message.tool_calls
         assert call.type == "function" and call.id and call.function.name in expected
         schema = (WEATHER if call.function.name == "get_weather" else TIME)["function"]
         jsonschema.validate(json.loads(call.function.arguments), schema["parameters"])
+        content, calls, reason = accumulate(client.chat.completions.create(stream=True, **kw))
+        assert reason == "tool_calls" and content == ""
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (call.function.name, call.function.arguments)]
+        assert calls[0]["id"] and calls[0]["first"]["type"] == "function"
 
 
 def test_truncated_tool_call_says_length(server):

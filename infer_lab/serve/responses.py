@@ -41,21 +41,23 @@ class Shape:
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per choice
     tools: Any = None  # a ToolPlan: the output is a tool call
-    tool_streams: dict[int, Any] = field(default_factory=dict)  # "auto": a ToolStream a choice
+    tool_streams: dict[int, Any] = field(default_factory=dict)  # a ToolStream a choice
     echo: Echo | None = None  # completions: the prompt's text and log-probabilities
 
     def tool_message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        """A chat message (and finish reason) for ``c`` as a tool call, only if the grammar
-        terminated: ``stop`` with no stop string or stop token behind it (those can fire in
-        the middle of the JSON) and arguments that parse. Otherwise (cut off by ``length``, a
-        stop string, a stop token) the output is returned as text with its finish reason."""
+        """A chat message (and finish reason) for ``c`` as a tool call. A forced call (a named
+        function or "required") is one only if the grammar terminated: ``stop`` with no stop
+        string or stop token behind it (those can fire in the middle of the JSON) and a JSON
+        that parses. Otherwise (cut off by ``length``, a stop string, a stop token) the call
+        is dropped, as "auto"'s cut calls are: no ``tool_calls``, no content (the JSON is not
+        text), and the finish reason says why."""
         if self.tools.auto:
             return self._auto_message(c)
         call = None
         if c.finish_reason == "stop" and c.stop_reason is None:
-            call = self.tools.call(c.text, f"call_{self.request_id[-24:]}_{c.index}")
+            call = self.tools.call(c.text, f"{self.call_id(c.index)}_0")
         if call is None:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
+            return {"role": "assistant", "content": ""}, c.finish_reason
         return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
     def call_id(self, index: int) -> str:
@@ -224,18 +226,8 @@ def chunk_choice(shape: Shape, c: CompletionOutput, first: bool,
     """One choice of a streamed chunk: this step's text (and role, in a chat's first chunk);
     ``base``: the index of the request's first choice (a batch of prompts)."""
     lp = logprobs_of(shape, base + c.index, getattr(c, "delta_logprobs", None))
-    if shape.chat and shape.tools is not None and shape.tools.auto:
-        return _auto_chunk(shape, c, first, lp)
-    if shape.chat and shape.tools is not None:  # the call is sent whole, when it is complete
-        delta = {"role": "assistant"} if first else {}
-        reason = c.finish_reason
-        if reason is not None:
-            message, reason = shape.tool_message(c)
-            if message.get("tool_calls"):
-                delta["tool_calls"] = [{"index": 0, **message["tool_calls"][0]}]
-            else:
-                delta["content"] = message["content"]
-        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+    if shape.chat and shape.tools is not None:
+        return _tool_chunk(shape, c, first, lp)
     if shape.chat:
         delta: dict[str, Any] = {"content": c.delta_text}
         if first:
@@ -248,11 +240,15 @@ def chunk_choice(shape: Shape, c: CompletionOutput, first: bool,
     return choice
 
 
-def _auto_chunk(shape: Shape, c: CompletionOutput, first: bool,
+def _tool_chunk(shape: Shape, c: CompletionOutput, first: bool,
                 lp: dict[str, Any] | None) -> dict[str, Any]:
-    """A streamed "auto" chunk: the text that cannot be part of a call, and each call as it
-    is written (its name, then its arguments piece by piece); the markup of a call never
-    reaches the client."""
+    """A streamed chunk of a request with tools: the text that cannot be part of a call, and
+    each call as it is written (a first delta with its ``index``, ``id``, ``type`` and name,
+    then its arguments piece by piece); the markup and JSON of a call never reach
+    ``content``. A named function's call starts in the first chunk (its name is known before
+    any token), "required"'s once the name in its JSON is complete. A call cut off (by
+    ``max_tokens``, or a forced one by a stop string or token) has sent the part written
+    before the last chunk and ends with that finish reason, as the whole answer has no call."""
     state = shape.tool_streams.setdefault(c.index, ToolStream())
     content, calls = state.delta(shape.tools, c.delta_text, c.finish_reason is not None,
                                  shape.call_id(c.index))
@@ -262,8 +258,8 @@ def _auto_chunk(shape: Shape, c: CompletionOutput, first: bool,
     if calls:
         delta["tool_calls"] = calls
     reason = c.finish_reason
-    if reason == "stop" and state.calls:
-        reason = "tool_calls"
+    if reason == "stop" and state.calls and (shape.tools.auto or c.stop_reason is None):
+        reason = "tool_calls"  # the whole answer's rule (Shape.tool_message)
     return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
 

@@ -1,7 +1,15 @@
 """Tool calls by constrained decoding.
 
-- ``tool_choice`` "required" or a named function: the output must be a JSON call (a JSON Schema
-  the grammar enforces), and becomes OpenAI's ``tool_calls``.
+- ``tool_choice`` "required" or a named function (a *forced* call): the output must be a JSON
+  call (a JSON Schema the grammar enforces) and becomes OpenAI's ``tool_calls``: for a named
+  function the output is the arguments, for "required" ``{"name": ..., "arguments": {...}}``
+  naming one of the functions. A stream sends the call as "auto"'s below, as it is written: a
+  named function's name in the first chunk (it is known before any token), "required"'s as
+  soon as the name in the JSON is complete, then the arguments' text piece by piece
+  (:meth:`ToolPlan.opened` finds it in the growing JSON: :func:`json_members`). The call is
+  one only if the grammar ended the output; one cut off (``max_tokens``, or a stop string or
+  stop token firing inside the JSON) is dropped from the whole answer (no ``tool_calls``, empty
+  ``content``, the finish reason says why) and a stream has sent the part written, as for "auto".
 - ``tool_choice`` "auto" (the default with tools): the model writes free text and decides for
   itself whether to call. A call is written in the format of ``--tool-call-parser`` (vLLM's
   flag and names: ``hermes``, the default, ``llama3_json`` or ``mistral``; see
@@ -39,12 +47,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from infer_lab.engine.structured import StructuredOutputsParams
 from infer_lab.serve.protocol import ChatCompletionRequest, ChatMessage, UnsupportedField
-from infer_lab.serve.tool_formats import FORMATS, CallFormat
+from infer_lab.serve.tool_formats import FORMATS, Call, CallFormat, json_written
 
 _TOOL_SHAPE = "a tool is {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -79,19 +88,61 @@ class ToolPlan:
         return [{"role": "system", "content": note}, *messages]
 
     def call(self, text: str, call_id: str) -> dict[str, Any] | None:
-        """OpenAI's tool call from a complete (grammar-valid) output; None if ``text`` is not
-        one (it does not parse, or lacks the name or the arguments)."""
+        """OpenAI's tool call from a complete (grammar-valid) forced output (a named function
+        or "required"); None if ``text`` is not one (it does not parse, or lacks the name or
+        the arguments). The arguments are their JSON's text as the model wrote it, which the
+        pieces of a stream add up to."""
+        found = self._forced(text)
+        if found is None:
+            return None
+        return {"id": call_id, "type": "function", "function": found}
+
+    def scan(self, text: str, finished: bool) -> tuple[str, list[Call], int | None]:
+        """The text outside calls, the complete calls, and where the calls not yet complete
+        begin (None: there are none, or the output is ``finished`` and they never will be).
+        "auto": the format's :meth:`CallFormat.scan`; a forced call is the whole output, so
+        there is no text and the call is complete once its JSON is."""
+        if self.auto:
+            return self.format.scan(text, finished)
+        found = self._forced(text)
+        if found is not None:
+            return "", [found], None
+        return "", [], None if finished else 0
+
+    def opened(self, text: str, at: int) -> list[Call]:
+        """The calls begun at ``at`` as far as they are written (:meth:`CallFormat.opened`):
+        a named function's from the start, with no arguments yet; "required"'s once the name
+        in its JSON is complete."""
+        if self.auto:
+            return self.format.opened(text, at)
+        if self.name is not None:
+            return [{"name": self.name, "arguments": _so_far(text, _skip(text, 0))}]
+        name, start = None, None
+        for key, value_at in json_members(text):
+            if key == "name":
+                name = _string(text, value_at)
+            elif key == "arguments":
+                start = value_at
+        if name is None:
+            return []
+        return [{"name": name, "arguments": "" if start is None else _so_far(text, start)}]
+
+    def _forced(self, text: str) -> Call | None:
+        """A forced output's call once its JSON is complete: the name, and the arguments' JSON
+        as written (a named function's: the whole output, less whitespace around it)."""
         try:
             data = json.loads(text)
-            if self.name is not None:
-                name, arguments = self.name, text
-            else:
-                name = data["name"]
-                arguments = json.dumps(data["arguments"], ensure_ascii=False)
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, RecursionError):  # not (yet) complete; nested past Python's limit
             return None
-        return {"id": call_id, "type": "function",
-                "function": {"name": name, "arguments": arguments}}
+        if self.name is not None:
+            start = _skip(text, 0)
+            return {"name": self.name, "arguments": text[start:_value_end(text, start)]}
+        starts = dict(json_members(text))
+        if not (isinstance(data, dict) and isinstance(data.get("name"), str)
+                and "arguments" in starts):
+            return None
+        start = starts["arguments"]
+        return {"name": data["name"], "arguments": text[start:_value_end(text, start)]}
 
     def split(self, text: str, finished: bool) -> tuple[str, list[dict[str, str]], int]:
         """An "auto" output as (the text outside calls, the complete calls as
@@ -104,8 +155,8 @@ class ToolPlan:
 
 @dataclass
 class ToolStream:
-    """One streamed choice of an "auto" request: its text so far, how much of its content was
-    sent, and each call's arguments sent so far."""
+    """One streamed choice of a request with tools ("auto" or forced): its text so far, how
+    much of its content was sent, and each call's arguments sent so far."""
 
     text: str = ""
     sent_content: int = 0
@@ -120,11 +171,11 @@ class ToolStream:
         arguments grew by, so that they add up to the whole answer's arguments. A call the
         output leaves unfinished (``max_tokens``) has sent only a part of its arguments."""
         self.text += new_text
-        content, calls, open_at = plan.format.scan(self.text, finished)
+        content, calls, open_at = plan.scan(self.text, finished)
         out_text = content[self.sent_content:]
         self.sent_content = len(content)
         self.calls = calls
-        begun = calls + (plan.format.opened(self.text, open_at) if open_at is not None else [])
+        begun = calls + (plan.opened(self.text, open_at) if open_at is not None else [])
         deltas: list[dict[str, Any]] = []
         for k, call in enumerate(begun):
             arguments = call["arguments"]
@@ -137,6 +188,77 @@ class ToolStream:
                     "arguments": arguments[len(self.sent[k]):]}})
                 self.sent[k] = arguments
         return out_text, deltas
+
+
+_SCALAR = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
+
+
+def json_members(text: str) -> Iterator[tuple[str, int]]:
+    """The members of the JSON object ``text`` begins with, as far as they are written: each
+    key once complete, with where its value begins (after whitespace; it may not be written
+    yet). Stops after the first member whose value is not complete. Strings are read with
+    their escapes and objects with their nesting (:func:`json_written`), so a quote, brace or
+    comma inside a value is never taken for the object's own; the grammar keeps the JSON
+    valid, so this only has to find where things end."""
+    at = _skip(text, 0)
+    if not text.startswith("{", at):
+        return
+    at += 1
+    while True:
+        at = _skip(text, at)
+        key = _string(text, at)
+        if key is None:
+            return
+        colon = _skip(text, json_written(text, at)[0])
+        if not text.startswith(":", colon):
+            return
+        start = _skip(text, colon + 1)
+        yield key, start
+        end = _complete_end(text, start)
+        follows = _skip(text, end) if end is not None else len(text)
+        if not text.startswith(",", follows):
+            return
+        at = follows + 1
+
+
+def _skip(text: str, at: int) -> int:
+    """``at`` moved past JSON's whitespace."""
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
+
+
+def _string(text: str, at: int) -> str | None:
+    """The JSON string at ``at`` once it is complete, else None."""
+    end, done = json_written(text, at)
+    if not (done and text.startswith('"', at)):
+        return None
+    try:
+        value = json.loads(text[at:end])
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _complete_end(text: str, at: int) -> int | None:
+    """Where the JSON value at ``at`` ends, if something follows it (a number is complete only
+    then); None while it is still being written."""
+    end, done = json_written(text, at)
+    if done:
+        return end
+    m = _SCALAR.match(text, at)
+    return m.end() if m and m.end() < len(text) else None
+
+
+def _so_far(text: str, at: int) -> str:
+    """The text of the JSON value at ``at`` that is surely part of it (a prefix of its text
+    once complete)."""
+    return text[at:json_written(text, at)[0]]
+
+
+def _value_end(text: str, at: int) -> int:
+    """Where the (complete) JSON value at ``at`` ends."""
+    return json.JSONDecoder().raw_decode(text, at)[1]
 
 
 _PAST_CALL = "a tool call is {'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
