@@ -169,7 +169,8 @@ class ToolStream:
         call's first delta carries its ``index``, ``id``, ``type``, name and the arguments
         written so far; the next ones (``index`` and ``function.arguments`` only) the text its
         arguments grew by, so that they add up to the whole answer's arguments. A call the
-        output leaves unfinished (``max_tokens``) has sent only a part of its arguments."""
+        output leaves unfinished (``max_tokens``; for a forced call also a stop string or stop
+        token) has sent only a part of its arguments, and nothing more in the last chunk."""
         self.text += new_text
         content, calls, open_at = plan.scan(self.text, finished)
         out_text = content[self.sent_content:]
