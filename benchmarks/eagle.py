@@ -29,7 +29,7 @@ measured price, v (a step's time less its draft's, over a plain step's), is reco
 with it the measured speedup is tokens per step / (v + k c) (all rounds pooled).
 
     python -m benchmarks.eagle [--rounds 1] [--max-tokens 32] [--prompts 16] [--threads 1]
-        [--clock cpu|wall] [--out DIR]
+        [--clock cpu|wall] [--quantization gguf] [--out DIR]
 """
 
 from __future__ import annotations
@@ -203,10 +203,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     ap.add_argument("--only", nargs="*", help="methods to run (default: all)")
+    ap.add_argument("--quantization", choices=["gguf"], default=None,
+                    help="gguf: the target keeps its file's blocks (what `infer-lab serve` runs "
+                    "on a CPU by default); results go to eagle_gguf.json")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tok = il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32)
+    model, tok = il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32,
+                         quantization=args.quantization)
+    label = "fp32" if args.quantization is None else "the file's Q4_1/Q8_0 blocks kept"
     prompts = [chat(tok, p) for p in HELD_OUT[: args.prompts]]
     specs = {n: s for n, s in SPECS.items() if not args.only or n in args.only}
     runs: dict[str, list[dict]] = {n: [] for n in specs}
@@ -238,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     payload = {"benchmark": "eagle", "provenance": {**provenance("cpu"),
                                                     "load_average": [min(loads), max(loads)],
                                                     "load_average_per_round": loads},
-               "model": "smollm2-135m-instruct (fp32)", "head": HEAD, "tree": TREE,
+               "model": f"smollm2-135m-instruct ({label})", "head": HEAD, "tree": TREE,
                "prompts": HELD_OUT[: args.prompts], "max_tokens": args.max_tokens,
                "rounds": args.rounds, "clock": args.clock, "base_tok_s": base_tok_s,
                "rows": rows,
@@ -256,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
                        "counts k) / baseline step time; "
                        "predicted_speedup = Leviathan et al. from alpha (per-token "
                        "acceptance solving sum a^i = accepted per draft) and c"}
-    path = write_results("eagle", payload, args.out)
+    name = "eagle" if args.quantization is None else f"eagle_{args.quantization}"
+    path = write_results(name, payload, args.out)
     print(f"wrote {path}")
 
 
