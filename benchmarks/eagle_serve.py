@@ -22,7 +22,7 @@ them in one chunk, so with speculation ITL p50 is the time between verifications
 (the time per output token after the first) is the per-token figure.
 
     python -m benchmarks.eagle_serve [--rounds 2] [--concurrency 1 8 32] [--output-len 32]
-        [--k 2] [--threads 1] [--out DIR]
+        [--k 2] [--threads 1] [--quantization gguf] [--out DIR]
 """
 
 from __future__ import annotations
@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per server")
     ap.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)  # tests: the bundled one
     ap.add_argument("--head", default=HEAD, help=argparse.SUPPRESS)
+    ap.add_argument("--quantization", choices=["gguf"], default=None,
+                    help="gguf: both servers keep the file's blocks (`infer-lab serve`'s CPU "
+                    "default) instead of fp32; results go to eagle_serve_gguf.json")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from benchmarks.serve_sweep import exit_on_sigterm, served
@@ -118,12 +121,14 @@ def main(argv: list[str] | None = None) -> None:
 
     exit_on_sigterm()
     spec = {"method": "eagle", "model": args.head, "num_speculative_tokens": args.k}
-    path = Path(args.out or RESULTS) / "eagle_serve.json"
+    suffix = "" if args.quantization is None else f"_{args.quantization}"
+    path = Path(args.out or RESULTS) / f"eagle_serve{suffix}.json"
+    weights = "fp32" if args.quantization is None else "the file's blocks kept"
     path.parent.mkdir(parents=True, exist_ok=True)
     raw: list[dict[str, Any]] = []
     payload: dict[str, Any] = {
         "benchmark": "eagle_serve", "provenance": provenance("cpu"), "model": f"{args.model} "
-        "(fp32)", "speculative_config": spec, "threads": args.threads,
+        f"({weights})", "speculative_config": spec, "threads": args.threads,
         "concurrency": args.concurrency, "output_len": args.output_len, "rounds": args.rounds,
         "prompts": HELD_OUT, "raw": raw,
         "command": "python -m benchmarks.eagle_serve " + " ".join(
@@ -134,7 +139,9 @@ def main(argv: list[str] | None = None) -> None:
                 "min(C, 8) warm-ups; ITL per streamed chunk; ratio = output tok/s over no "
                 "speculation's in the same round; values: median over rounds, _lo/_hi the "
                 "smallest and largest; load_average: 1-minute, when each run ended"}
-    common = ["--model", args.model, "--dtype", "fp32", "--threads", str(args.threads),
+    weights_args = (["--dtype", "fp32"] if args.quantization is None
+                    else ["--quantization", args.quantization])
+    common = ["--model", args.model, *weights_args, "--threads", str(args.threads),
               "--no-prefix-caching"]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
