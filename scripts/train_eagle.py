@@ -71,24 +71,35 @@ def log(msg: str) -> None:
 def get_data(model, tok, args) -> tuple[list[Sample], dict]:
     """Answers with features: from ``--data-cache`` if it exists, else collected now."""
     cache = Path(args.data_cache)
+    old: list[Sample] = []
+    sittings: list[dict] = []
     if cache.exists():
         blob = torch.load(cache, weights_only=False)
-        log(f"data from {cache}: {len(blob['samples'])} answers")
-        return blob["samples"], blob["info"]
+        old, sittings = blob["samples"], blob["info"].get("sittings", [blob["info"]])
+        log(f"data from {cache}: {len(old)} answers")
+        if not args.extend_minutes:
+            return old, blob["info"]
+    minutes = args.extend_minutes if old else args.data_minutes
     prompts = training_prompts(args.num_prompts, seed=args.seed, everyday=args.everyday)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)
            for p in prompts]
+    answered = {tuple(s.token_ids[: s.num_prompt_tokens]) for s in old}
+    ids = [i for i in ids if tuple(i) not in answered]  # extending: the prompts not answered
     start = time.perf_counter()
-    samples = collect_features(model, tok, ids, args.max_tokens,
-                               deadline=start + 60 * args.data_minutes,
-                               max_num_seqs=args.batch, log=log)
+    new = collect_features(model, tok, ids, args.max_tokens,
+                           deadline=start + 60 * minutes, max_num_seqs=args.batch, log=log)
+    sittings.append({"answers": len(new), "seconds": round(time.perf_counter() - start, 1),
+                     "load_average": os.getloadavg(), "argv": sys.argv[1:]})
+    samples = old + new
     info = {"prompts_available": len(prompts), "answers": len(samples),
-            "seconds": round(time.perf_counter() - start, 1),
+            "seconds": round(sum(x["seconds"] for x in sittings), 1),
             "tokens": sum(len(s.token_ids) for s in samples),
             "answer_tokens": sum(len(s.token_ids) - s.num_prompt_tokens for s in samples),
-            "max_tokens": args.max_tokens, "load_average": os.getloadavg()}
+            "max_tokens": args.max_tokens,
+            "load_average": max((x["load_average"] for x in sittings), key=max),
+            "sittings": sittings}
     if len(samples) < 8:
-        raise SystemExit(f"only {len(samples)} answers in {args.data_minutes} minutes: give "
+        raise SystemExit(f"only {len(samples)} answers in {minutes} minutes: give "
                          "--data-minutes more time")
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"samples": samples, "info": info}, cache)
@@ -98,7 +109,7 @@ def get_data(model, tok, args) -> tuple[list[Sample], dict]:
 
 @torch.no_grad()
 def validation(head, model, samples: list[Sample], skip: int) -> dict:
-    """Loss and top-1 agreement on held-out answers (no noise)."""
+    """Loss and top-1 agreement on held-out answers (no noise), over the answers' tokens."""
     index = torch.full((model.config.vocab_size,), -100, dtype=torch.long)
     index[head.draft_vocab] = torch.arange(len(head.draft_vocab))
     lm_rows = model.embed_tokens.weight[head.draft_vocab].float()
@@ -111,8 +122,10 @@ def validation(head, model, samples: list[Sample], skip: int) -> dict:
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v * w
         n += w
-    in_vocab = sum(int((index[torch.tensor(s.labels[skip:])] >= 0).sum()) for s in samples)
-    labels = sum(len(s.labels) - skip for s in samples)
+    first = [max(skip, s.num_prompt_tokens - 1) for s in samples]  # the answers' labels
+    in_vocab = sum(int((index[torch.tensor(s.labels[f:])] >= 0).sum())
+                   for s, f in zip(samples, first))
+    labels = sum(len(s.labels) - f for s, f in zip(samples, first))
     return {**{k: round(v / n, 4) for k, v in totals.items()},
             "label_in_draft_vocab": round(in_vocab / labels, 4)}
 
@@ -185,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="wall-clock budget for answering prompts (default 13)")
     ap.add_argument("--train-minutes", type=float, default=14.0,
                     help="wall-clock budget for training (default 14)")
+    ap.add_argument("--extend-minutes", type=float, default=0.0,
+                    help="with a --data-cache from an earlier run: answer this many more "
+                    "minutes of the prompts it did not reach, and keep both (each sitting is "
+                    "logged)")
     ap.add_argument("--num-prompts", type=int, default=3000, help="prompts available")
     ap.add_argument("--everyday", type=float, default=0.4,
                     help="fraction of prompts drawn from the everyday templates (default 0.4; "
@@ -196,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="depth to validate the head at, recorded as its trained_depth "
                     "(the engine refuses deeper drafts); training is one step ahead")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--validate-every", type=int, default=100,
+                    help="steps between checks on the dev answers; the head keeps the weights "
+                    "of its best check (default 100)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-cache", default="/tmp/infer_lab_eagle_data.pt",
@@ -209,14 +229,21 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     rng.shuffle(samples)
     n_val = max(4, len(samples) // 20)
-    val, train = samples[:n_val], samples[n_val:]
+    # validation (reported) and dev (early stopping) are different answers, so the reported
+    # figure is not the one the weights were chosen by
+    val, dev, train = samples[:n_val], samples[n_val : 2 * n_val], samples[2 * n_val :]
     meta = {"target": TARGET, "method": "EAGLE-1 (Li et al. 2024), draft vocabulary as EAGLE-3"}
     head = new_head(model, train, args.draft_vocab, args.depth, args.seed, meta).float()
-    history = train_eagle_head(head, model, train, minutes=args.train_minutes, lr=args.lr,
-                               seed=args.seed, log=lambda s: log(json.dumps(s)))
     skip = common_prefix(train)
+    history = train_eagle_head(head, model, train, minutes=args.train_minutes, lr=args.lr,
+                               seed=args.seed, log=lambda s: log(json.dumps(s)),
+                               validate=lambda: validation(head, model, dev, skip),
+                               validate_every=args.validate_every)
     val_stats = validation(head, model, val, skip)
     log(f"validation {val_stats}")
+    steps = [h for h in history if "loss" in h]
+    checks = [h for h in history if "validation" in h]
+    kept = max(checks, key=lambda h: h["validation"]["top1"]) if checks else None
     args.out.mkdir(parents=True, exist_ok=True)
     path = save_eagle_head(head, args.out)
     from infer_lab.model.eagle_head import load_eagle_head
@@ -231,9 +258,11 @@ def main(argv: list[str] | None = None) -> None:
         "target": TARGET, "command": command.strip(), "seed": args.seed,
         "trained_depth": args.depth, "draft_vocab_size": len(head.draft_vocab),
         "head_bytes": path.stat().st_size, "data": data_info,
-        "split": {"train": len(train), "validation": len(val), "loss_skips_prefix": skip},
-        "train": {"steps": len(history), "seconds": history[-1]["seconds"] if history else 0,
-                  "lr": args.lr, "history": history[::5] + history[-1:]},
+        "split": {"train": len(train), "validation": len(val), "dev": len(dev),
+                  "loss_skips_prefix": skip, "loss_on": "answer tokens"},
+        "train": {"steps": len(steps), "seconds": history[-1]["seconds"] if history else 0,
+                  "lr": args.lr, "history": steps[::5] + steps[-1:],
+                  "dev_checks": checks, "kept_step": kept["step"] if kept else None},
         "validation": val_stats, "acceptance": acceptance, "acceptance_prompts": len(acc_prompts),
         "held_out_prompts": HELD_OUT,
         "machine": {"platform": platform.platform(), "torch": torch.__version__,

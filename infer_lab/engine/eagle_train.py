@@ -145,10 +145,14 @@ def batches(samples: Sequence[Sample], tokens_per_batch: int, rng: random.Random
     return groups
 
 
-def _pad(group: Sequence[Sample], skip: int, vocab_index: torch.Tensor, max_len: int
+def _pad(group: Sequence[Sample], skip: int, vocab_index: torch.Tensor, max_len: int,
+         answer_only: bool = True
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inputs and targets of one batch: slot p pairs (feature p - 1, token p) and predicts
-    feature p and label p (the target's token after p)."""
+    feature p and label p (the target's token after p). The loss mask covers the slots that
+    predict the answer (``answer_only``, as EAGLE masks all but the assistant's tokens: drafting
+    only ever guesses answers), else every slot past the common prefix ``skip``; the prompt's
+    slots still feed the head's attention either way."""
     length = min(max(len(s.token_ids) for s in group) - 1, max_len)
     hidden = group[0].features.shape[1]
     ids = torch.zeros(len(group), length, dtype=torch.long)
@@ -162,7 +166,8 @@ def _pad(group: Sequence[Sample], skip: int, vocab_index: torch.Tensor, max_len:
         want[b, :n] = s.features[:n].float()
         prev[b, 1:n] = s.features[: n - 1].float()
         label[b, :n] = vocab_index[torch.tensor(s.labels[:n])]
-        mask[b, skip:n] = True
+        first = max(skip, s.num_prompt_tokens - 1) if answer_only else skip
+        mask[b, first:n] = True
     return ids, prev, want, label, mask
 
 
@@ -191,11 +196,18 @@ def train_eagle_head(head: EagleHead, target: Any, samples: Sequence[Sample], *,
                      steps: int | None = None, minutes: float | None = None,
                      lr: float = 1e-3, tokens_per_batch: int = 4096, noise: float = 0.2,
                      seed: int = 0, max_len: int = 512, log_every: int = 10,
-                     log: Callable[[dict], Any] | None = None, bf16: bool = True
+                     log: Callable[[dict], Any] | None = None, bf16: bool = True,
+                     answer_only: bool = True,
+                     validate: Callable[[], dict] | None = None, validate_every: int = 0
                      ) -> list[dict]:
     """AdamW on :func:`eagle_loss` over ``samples``, for ``steps`` steps or ``minutes`` of wall
     time (whichever is given; the cosine schedule assumes ``steps``, or an estimate from the
-    first steps' pace). The target stays frozen; only ``head``'s weights change."""
+    first steps' pace). The target stays frozen; only ``head``'s weights change.
+
+    With ``validate`` (held-out answers' figures, ``"top1"`` among them) every
+    ``validate_every`` steps and at the end, the head ends with the weights of its best
+    validation top-1 (early stopping: a small data set is learnt by heart long before the
+    time is up); each check is a history entry ``{"step", "validation"}``."""
     if steps is None and minutes is None:
         raise ValueError("give steps or minutes")
     rng = random.Random(seed)
@@ -213,10 +225,27 @@ def train_eagle_head(head: EagleHead, target: Any, samples: Sequence[Sample], *,
     history: list[dict] = []
     start, step, total = time.perf_counter(), 0, steps
     deadline = None if minutes is None else start + 60 * minutes
+    best: tuple[float, dict[str, torch.Tensor]] | None = None
+
+    def check() -> None:
+        nonlocal best
+        stats = validate()  # type: ignore[misc]
+        history.append({"step": step, "validation": stats,
+                        "seconds": round(time.perf_counter() - start, 1)})
+        if log is not None:
+            log(history[-1])
+        if best is None or stats["top1"] > best[0]:
+            best = (stats["top1"], {k: v.detach().clone() for k, v in
+                                    head.state_dict().items()})
+        head.train()
+
     while True:
         for group in batches(samples, tokens_per_batch, rng, max_len):
             if (total is not None and step >= total) or (
                     deadline is not None and time.perf_counter() > deadline):
+                if validate is not None:
+                    check()
+                    head.load_state_dict(best[1])  # type: ignore[index]
                 head.eval()
                 return history
             if total is None and step == 5 and minutes is not None:  # from the pace so far
@@ -226,7 +255,7 @@ def train_eagle_head(head: EagleHead, target: Any, samples: Sequence[Sample], *,
             frac = step / total if total else 0.0
             for g in opt.param_groups:
                 g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1))))
-            batch = _pad(group, skip, index, max_len)
+            batch = _pad(group, skip, index, max_len, answer_only)
             with torch.autocast("cpu", torch.bfloat16, enabled=bf16 and not
                                 next(head.parameters()).is_cuda):
                 loss, stats = eagle_loss(head, embed, lm_rows, *batch, noise=noise * scale)
@@ -240,6 +269,8 @@ def train_eagle_head(head: EagleHead, target: Any, samples: Sequence[Sample], *,
             history.append(stats)
             if log is not None and (step % log_every == 0 or step == 1):
                 log(stats)
+            if validate is not None and validate_every and step % validate_every == 0:
+                check()
 
 
 def new_head(target: Any, samples: Sequence[Sample], draft_vocab_size: int,
