@@ -70,6 +70,29 @@ def head(bundled):
     return head.to(model.dtype)
 
 
+def test_training_keeps_the_best_dev_check(bundled):
+    """Early stopping: with a dev check every few steps, the head ends with the weights it had
+    at its best check, not its last (the checks' scores here are scripted: 0.2, 0.6, then
+    lower, so the kept weights are the second check's)."""
+    model, tok = bundled
+    prompts = [tok.encode(w) for w in ("In the beginning", "And the LORD", "Blessed are")]
+    samples = collect_features(model, tok, prompts, 8)
+    head = new_head(model, samples, 256, trained_depth=2).float()
+    scores, seen = iter([0.2, 0.6, 0.3, 0.1]), []
+
+    def validate() -> dict:
+        seen.append({k: v.clone() for k, v in head.state_dict().items()})
+        return {"top1": next(scores)}
+
+    history = train_eagle_head(head, model, samples, steps=8, tokens_per_batch=64,
+                               validate=validate, validate_every=2, bf16=False)
+    checks = [h for h in history if "validation" in h]
+    assert [h["step"] for h in checks] == [2, 4, 6, 8]  # every 2 steps (the last included)
+    assert not torch.equal(seen[1]["fc.weight"], seen[-1]["fc.weight"])  # it kept training
+    for k, v in head.state_dict().items():
+        torch.testing.assert_close(v, seen[1][k], rtol=0, atol=0)
+
+
 def chain(head, k=4, **kw):
     return {"method": "eagle", "model": head, "num_speculative_tokens": k, **kw}
 

@@ -244,7 +244,8 @@ def train_eagle_head(head: EagleHead, target: Any, samples: Sequence[Sample], *,
             if (total is not None and step >= total) or (
                     deadline is not None and time.perf_counter() > deadline):
                 if validate is not None:
-                    check()
+                    if not history or history[-1].get("step") != step or "loss" in history[-1]:
+                        check()  # the last steps' weights, unless just checked
                     head.load_state_dict(best[1])  # type: ignore[index]
                 head.eval()
                 return history
