@@ -80,6 +80,17 @@ def test_what_stays_with_f_linear() -> None:
     assert not onednn_takes(torch.randn(2, 8).double(), w.double(), None)  # float64
     assert not onednn_takes(torch.randn(2, 8).bfloat16(), w, None)  # mixed dtypes
     assert not onednn_takes(torch.randn(2, 8), w, torch.randn(16).double())
+    assert not onednn_takes(torch.randn(2, 16), torch.randn(8, 16).t(), None)  # strided weight
+    assert not onednn_takes(torch.tensor(1.0), w, None)  # 0-d
+    torch._C._set_mkldnn_enabled(False)  # torch.backends.mkldnn switched off: F.linear
+    try:
+        assert not onednn_takes(torch.randn(2, 8), w, None)
+    finally:
+        torch._C._set_mkldnn_enabled(True)
+    assert onednn_takes(torch.randn(2, 8), w, None)
+    strided = torch.randn(8, 16).t()
+    with torch.no_grad():
+        torch.testing.assert_close(linear(torch.randn(3, 8), strided).shape, (3, 16))
     with torch.no_grad():
         assert linear(torch.randn(0, 8), w).shape == (0, 16)
     with pytest.raises(RuntimeError):  # F.linear's own error, not oneDNN's

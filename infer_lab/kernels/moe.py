@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from infer_lab import settings
 from infer_lab.kernels.dispatch import resolve_backend, triton_module
+from infer_lab.kernels.linear import linear
 from infer_lab.kernels.reference import silu_and_mul_ref
 
 MOE_IMPLS = settings.MOE_IMPLS
@@ -118,7 +119,7 @@ def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
     token = order // k
     rows = x[token]  # the one gather: [T*k, H], grouped by expert
-    outs = [F.linear(silu_and_mul_ref(F.linear(r, w13[e])), w2[e])
+    outs = [linear(silu_and_mul_ref(linear(r, w13[e])), w2[e])  # oneDNN on a CPU
             for e, r in enumerate(rows.split(counts.tolist())) if r.shape[0]]
     y = torch.cat(outs) * topk_weights.flatten()[order, None].to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token, y)  # the one weighted scatter-add

@@ -67,11 +67,11 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.layer = layer
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         shared = cfg.shared_expert_intermediate_size
         self.shared_expert = SharedExpert(cfg.hidden_size, shared) if shared else None
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared else None
         # Called with (layer, topk_ids, router_logits) on every forward when set: how Chapter 12
         # counts tokens per expert on real text without touching the forward.
         self.router_hook: RouterHook | None = None
