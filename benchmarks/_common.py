@@ -19,15 +19,16 @@ STARTED = dt.datetime.now(dt.timezone.utc)
 
 
 def git_state(cwd: Path) -> tuple[str, bool | None]:
-    """The short commit of ``cwd``'s checkout, and whether its tracked files differ from it (a
-    run with uncommitted changes is not exactly that commit's code); "unknown"/None outside
-    git."""
+    """The short commit of ``cwd``'s checkout, and whether its tracked files other than results
+    (``benchmarks/results/``, which the runs themselves write) differ from it: a run with
+    uncommitted changes is not exactly that commit's code. "unknown"/None outside git."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
                               cwd=cwd).stdout.strip()
     try:
-        return git("rev-parse", "--short", "HEAD"), bool(
-            git("status", "--porcelain", "--untracked-files=no"))
+        changed = git("diff", "--name-only", "HEAD").splitlines()  # staged or not
+        code = [path for path in changed if not path.startswith("benchmarks/results/")]
+        return git("rev-parse", "--short", "HEAD"), bool(code)
     except (OSError, subprocess.CalledProcessError):
         return "unknown", None
 

@@ -213,6 +213,14 @@ def test_provenance_says_whether_the_code_was_the_commits(tmp_path):
     assert len(commit) >= 7 and dirty is False
     (tmp_path / "b.py").write_text("untracked\n")  # untracked files are not the run's code
     assert git_state(tmp_path) == (commit, False)
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "r.json").write_text("{}\n")
+    subprocess.run([*git, "add", "benchmarks"], check=True)
+    subprocess.run([*git, "commit", "-qm", "r"], check=True)
+    commit, _ = git_state(tmp_path)
+    (results / "r.json").write_text('{"new": 1}\n')  # a run writing its result: not code
+    assert git_state(tmp_path) == (commit, False)
     (tmp_path / "a.py").write_text("x = 2\n")
     assert git_state(tmp_path) == (commit, True)
     assert "uncommitted_changes" in provenance("cpu")
