@@ -3,7 +3,7 @@
 ``F.linear`` sends a float32 product on a CPU to MKL's ``sgemm``. On the machine this project
 measures on (an AMD EPYC; ``benchmarks/cpu_linear.py``, which a reader runs on their own) that
 is slow where decoding lives, at a handful of rows: a decode step has one row per sequence, a
-speculative verification k + 1, and there three rows cost ``sgemm`` 2.3x one row against 1.6x
+speculative verification k + 1, and there three rows cost ``sgemm`` 2.3x one row against 1.4x
 for oneDNN's inner product, which was faster at every row count measured, one to 256. Whether
 another processor's MKL does better was not measured. oneDNN takes the plain weight as it is
 (no packed copy of the weights).
