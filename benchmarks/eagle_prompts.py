@@ -9,12 +9,13 @@ ask about modern subjects (robots, computers, trains) and include Chapter 9's fr
 training prompt (:func:`training_prompts` checks it), and no held-out subject is a training
 subject. Some instruction forms are shared ("Write a short story about ..."), some are not.
 
-A third of the training prompts (``kind="everyday"``) are everyday requests of the kind chat
-models are asked (stories, explanations, tips, letters, recipes, comparisons) about modern
-subjects written here; :func:`training_prompts` refuses any that names a held-out subject
-(:data:`HELD_OUT_WORDS`), so these share the held-out set's register and some of its instruction
-forms, never its subjects. EAGLE's own heads are trained the same way (ShareGPT conversations,
-measured on MT-bench's different ones).
+A fraction of the training prompts (``everyday``; 0.4 of draws in the shipped head's run) are
+everyday requests of the kind chat models are asked (stories, explanations, tips, letters,
+recipes, comparisons) about modern subjects written here; :func:`training_prompts` refuses any
+that names a held-out subject (:data:`HELD_OUT_WORDS`), so these share the held-out set's
+register and some of its instruction forms ("Write a short story about ...", "What are the
+benefits of ...?"), never its subjects. EAGLE's own heads are evaluated the same way: trained on
+ShareGPT conversations, measured on MT-bench's different ones.
 """
 
 from __future__ import annotations
