@@ -22,7 +22,7 @@ them in one chunk, so with speculation ITL p50 is the time between verifications
 (the time per output token after the first) is the per-token figure.
 
     python -m benchmarks.eagle_serve [--rounds 2] [--concurrency 1 8 32] [--output-len 32]
-        [--k 2] [--threads 1] [--quantization gguf] [--out DIR]
+        [--k 2] [--threads 1] [--disable-by-batch-size N] [--quantization gguf] [--out DIR]
 """
 
 from __future__ import annotations
@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per server")
     ap.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)  # tests: the bundled one
     ap.add_argument("--head", default=HEAD, help=argparse.SUPPRESS)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="the EAGLE server's speculation is off in steps with this many "
+                    "sequences or more (speculative_config's disable_by_batch_size); "
+                    "results go to eagle_serve_dbs<N>.json")
     ap.add_argument("--quantization", choices=["gguf"], default=None,
                     help="gguf: both servers keep the file's blocks (`infer-lab serve`'s CPU "
                     "default) instead of fp32; results go to eagle_serve_gguf.json")
@@ -120,8 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     from infer_lab.model.loader import open_checkpoint, resolve_model_path
 
     exit_on_sigterm()
-    spec = {"method": "eagle", "model": args.head, "num_speculative_tokens": args.k}
+    spec: dict[str, Any] = {"method": "eagle", "model": args.head,
+                            "num_speculative_tokens": args.k}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     suffix = "" if args.quantization is None else f"_{args.quantization}"
+    if args.disable_by_batch_size is not None:
+        suffix += f"_dbs{args.disable_by_batch_size}"
     path = Path(args.out or RESULTS) / f"eagle_serve{suffix}.json"
     weights = "fp32" if args.quantization is None else "the file's blocks kept"
     path.parent.mkdir(parents=True, exist_ok=True)
