@@ -5,11 +5,11 @@ disjoint from the head's training prompts; the second is Chapter 9's free-text p
 time, greedily, with ``ignore_eos``: without speculation, with ``ngram`` k = 4, ``early_exit``
 (24 of 30 layers, k = 2, Chapter 9's rows) and the shipped EAGLE head as a chain of k = 2, 4, 6
 and as a tree. ``--rounds`` rounds; a round runs, per prompt, the baseline and then every method
-back to back, in an order that alternates from round to round, so a change in the shared
-machine's load falls on a round's pair. Speedup = the baseline's time over the method's by
-``--clock`` (``cpu``: this process's CPU time, one thread; a loaded machine's waits left out),
-per prompt and round; a row's speedup is the median over all of them with the smallest and
-largest. Greedy output is checked identical to the baseline's.
+back to back, in an order that alternates from prompt to prompt and round to round, so a
+change in the shared machine's load falls on a round's pair. Speedup = the baseline's time
+over the method's by ``--clock`` (``cpu``: this process's CPU time, one thread; a loaded
+machine's waits left out), per prompt and round; a row's speedup is the median over all of
+them with the smallest and largest. Greedy output is checked identical to the baseline's.
 
 Prompts are the independent unit (Chapter 7's rule: runs of one prompt share its text, and
 rounds of one prompt share its tokens): each row also gives, per prompt, its tokens per
