@@ -48,6 +48,15 @@ def pass_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
     return {name: sorted(v) for name, v in out.items()}
 
 
+def matrices_by_kind(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+    """SmolLM2's weight matrices, each kind with its 30 layers' matrices, and the tied head."""
+    kinds = {name: [layer.get_submodule(name).weight for layer in model.layers]
+             for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                          "mlp.down_proj")}
+    kinds["lm_head (tied embedding)"] = [model.embed_tokens.weight]
+    return kinds
+
+
 def blas() -> str:
     """torch's BLAS, as its build configuration names it."""
     m = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
@@ -75,10 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32)
-    kinds = {name: [layer.get_submodule(name).weight for layer in model.layers]
-             for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
-                          "mlp.down_proj")}
-    kinds["lm_head (tied embedding)"] = [model.embed_tokens.weight]
+    kinds = matrices_by_kind(model)
     load_before = os.getloadavg()
     rows = []
     for dtype in (torch.float32, torch.bfloat16):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import infer_lab as il
+from benchmarks.cpu_linear import matrices_by_kind
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 9) -> float:
@@ -45,10 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32)
-    kinds = {name: [layer.get_submodule(name).weight for layer in model.layers]
-             for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
-                          "mlp.down_proj")}
-    kinds["lm_head (tied embedding)"] = [model.embed_tokens.weight]
+    kinds = matrices_by_kind(model)
     print(f"{'matrices':26} {'shape':>12} {'contig':>6} {'F.linear':>9} {'fresh':>7} "
           f"{'[in,out]':>9}  (GB/s)")
     for name, weights in kinds.items():
