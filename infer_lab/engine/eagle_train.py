@@ -226,9 +226,11 @@ def train_eagle_head(head: EagleHead, target: Any, samples: Sequence[Sample], *,
     start, step, total = time.perf_counter(), 0, steps
     deadline = None if minutes is None else start + 60 * minutes
     best: tuple[float, dict[str, torch.Tensor]] | None = None
+    checked_at = -1  # the step of the last check
 
     def check() -> None:
-        nonlocal best
+        nonlocal best, checked_at
+        checked_at = step
         stats = validate()  # type: ignore[misc]
         history.append({"step": step, "validation": stats,
                         "seconds": round(time.perf_counter() - start, 1)})
@@ -244,7 +246,7 @@ def train_eagle_head(head: EagleHead, target: Any, samples: Sequence[Sample], *,
             if (total is not None and step >= total) or (
                     deadline is not None and time.perf_counter() > deadline):
                 if validate is not None:
-                    if not history or history[-1].get("step") != step or "loss" in history[-1]:
+                    if checked_at != step:
                         check()  # the last steps' weights, unless just checked
                     head.load_state_dict(best[1])  # type: ignore[index]
                 head.eval()
