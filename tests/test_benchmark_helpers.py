@@ -224,3 +224,23 @@ def test_provenance_says_whether_the_code_was_the_commits(tmp_path):
     (tmp_path / "a.py").write_text("x = 2\n")
     assert git_state(tmp_path) == (commit, True)
     assert "uncommitted_changes" in provenance("cpu")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_linear_times_the_inner_product_in_both_dtypes(dtype):
+    """The oneDNN column is the inner product in bf16 too, though ``kernels.linear`` sends bf16
+    to ``F.linear``: without it the bf16 rows would time F.linear against itself."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.cpu_linear import onednn_route
+
+    x, w = (torch.randn(3, 32).to(getattr(torch, dtype)),
+            torch.randn(48, 32).to(getattr(torch, dtype)))
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = onednn_route(x.dtype)(x, w)
+    assert "mkldnn::_linear_pointwise" in {e.key for e in prof.key_averages()}
+    want = F.linear(x.float(), w.float())
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * float(want.abs().max()))

@@ -1,4 +1,4 @@
-"""``linear(x, W, b)``: ``x @ W.T + b``, through oneDNN's inner product on a CPU.
+"""``linear(x, W, b)``: ``x @ W.T + b``, float32 through oneDNN's inner product on a CPU.
 
 ``F.linear`` sends a float32 product on a CPU to MKL's ``sgemm``. On the machine this project
 measures on (an AMD EPYC; ``benchmarks/cpu_linear.py``, which a reader runs on their own) that
@@ -8,10 +8,17 @@ for oneDNN's inner product, which was faster at every row count measured, one to
 another processor's MKL does better was not measured. oneDNN takes the plain weight as it is
 (no packed copy of the weights).
 
+Only float32 takes the inner product. ``F.linear`` already sends a bf16 product on a CPU
+with bf16 support to oneDNN (``aten::mm``), and the inner product, called from here, was the
+slower of the two: a forward's bf16 products ran 3-9% slower through it (0.91-0.97x
+``F.linear``'s speed) at seven of the eight row counts measured, one to 256
+(``benchmarks/results/cpu_linear.json``, commit d95cdc7, one thread), so bf16 stays with
+``F.linear``.
+
 The fast path is for inference only: a product that needs a gradient (training an EAGLE head,
 Chapter 9) goes to ``F.linear``, since oneDNN's op has no backward; so do empty or 0-d inputs,
-mixed dtypes, a strided weight, bf16 on a CPU without bf16 support, every device but the CPU,
-and everything when ``torch.backends.mkldnn`` is switched off. The two paths agree to float32's
+mixed dtypes, a strided weight, every dtype but float32, every device but the CPU, and
+everything when ``torch.backends.mkldnn`` is switched off. The two paths agree to float32's
 rounding, not to the bit (they sum in different orders; ``tests/test_kernels_linear.py``
 checks 1e-5 relative). torch's FLOP counter is told what oneDNN's op costs
 (:func:`_linear_flops`), so a count of a forward stays whole.
@@ -26,14 +33,14 @@ import torch.nn.functional as F
 from torch.utils import flop_counter
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_DTYPES = (torch.float32, torch.bfloat16) if (
-    _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()) else (torch.float32,)
 
 
 def onednn_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Does :func:`linear` send this product to oneDNN?"""
+    """Does :func:`linear` send this product to oneDNN's inner product? Only float32: bf16
+    already reaches oneDNN through ``F.linear``'s ``aten::mm``, and the inner product ran 3-9%
+    slower than that (``benchmarks/results/cpu_linear.json``)."""
     return (_ONEDNN and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.dtype in _DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+            and x.dtype == torch.float32 and weight.dtype == x.dtype and weight.dim() == 2
             and x.dim() >= 1 and x.shape[-1] == weight.shape[1] and x.numel() > 0
             and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)
             and torch._C._get_mkldnn_enabled()

@@ -119,7 +119,7 @@ def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
     token = order // k
     rows = x[token]  # the one gather: [T*k, H], grouped by expert
-    outs = [linear(silu_and_mul_ref(linear(r, w13[e])), w2[e])  # oneDNN on a CPU
+    outs = [linear(silu_and_mul_ref(linear(r, w13[e])), w2[e])  # fp32: oneDNN on a CPU
             for e, r in enumerate(rows.split(counts.tolist())) if r.shape[0]]
     y = torch.cat(outs) * topk_weights.flatten()[order, None].to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token, y)  # the one weighted scatter-add
