@@ -161,6 +161,40 @@ def test_context_writes_new_kv_through_the_slot_mapping():
     assert torch.equal(cache.kv[:, :, 0], cache.kv[:, :, 4])
 
 
+@pytest.mark.parametrize(("kv_dtype", "cache_dtype", "new_dtype"), [
+    ("auto", torch.float32, torch.float32), ("auto", torch.bfloat16, torch.bfloat16),
+    ("auto", torch.bfloat16, torch.float32), ("fp8_e4m3", torch.float32, torch.float32),
+    ("int8", torch.float32, torch.float32), ("fp8_e4m3_scaled", torch.float32, torch.float32)])
+def test_the_torch_store_writes_what_the_reference_store_writes(kv_dtype, cache_dtype,
+                                                                new_dtype):
+    """The context's own store (``index_copy_`` when the cache is a plain tensor of the new
+    K/V's dtype, the reference's path otherwise) leaves every cache exactly as
+    ``store_kv_ref`` does, keys and values, and attention reads them back as the reference."""
+    from infer_lab.cache.kv_quant import make_paged_kv_cache
+    from infer_lab.kernels.reference import store_kv_ref
+    from infer_lab.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(dict(
+        model_type="llama", vocab_size=8, hidden_size=16, intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    ))
+    mine, ref = (make_paged_kv_cache(cfg, 6, 4, dtype=cache_dtype, kv_cache_dtype=kv_dtype)
+                 for _ in range(2))
+    batch = build_paged_batch([([1, 2, 3], 2, [4, 1]), ([5], 0, [3])], 4, 6)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(4, h, 8, generator=g).to(new_dtype) for h in (2, 1, 1))
+    out = PagedAttentionContext(mine, batch, backend="torch").attend(1, q, k, v, None)
+    store_kv_ref(k, v, ref.k_caches[1], ref.v_caches[1], batch.slot_mapping)
+    assert torch.equal(mine.kv, ref.kv)
+    assert mine.kv[1].float().abs().sum() > 0 and mine.kv[0].float().abs().sum() == 0
+    if kv_dtype in ("int8", "fp8_e4m3_scaled"):
+        assert torch.equal(mine.scales, ref.scales)
+    expect = paged_attention_ref(q, ref.k_caches[1], ref.v_caches[1], batch.block_tables,
+                                 batch.context_lens, batch.cu_seqlens_q)
+    tol = 1e-5 if new_dtype == torch.float32 else 2e-2  # one batched call vs a loop: bf16 ulps
+    torch.testing.assert_close(out, expect, atol=tol, rtol=tol)
+
+
 # --------------------------------------------------------------------------------- with a model
 
 PROMPTS = [

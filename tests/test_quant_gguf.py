@@ -141,6 +141,27 @@ def test_q8_0_on_cpu_by_group_calls_or_a_dense_bf16_copy(rows):
         assert y.shape == ref.shape and rel <= 1e-2, rel
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_q8_0_group_calls_add_up_exactly_as_a_plain_fp32_sum(rows):
+    """The per-group int8 calls' partials are added in fp32 in group order: the same numbers
+    as ``sum_g int8mm(x_g, q_g, s_g).float()`` written out, bit for bit."""
+    from infer_lab.kernels import quant as kq
+
+    rng = np.random.default_rng(7 + rows)
+    w = rng.normal(size=(64, 160)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    fmt, tensors = gguf_block_tensors(blocks, "Q8_0", 64, 160)
+    layer = QuantizedLinear(fmt, tensors, 160, 64, None, 32)
+    x = torch.from_numpy(rng.normal(size=(rows, 160)).astype(np.float32))
+    xa, s = x.to(torch.bfloat16), layer.scale.t().to(torch.bfloat16)
+    expect = torch.zeros(rows, 64)
+    for g in range(5):
+        expect += torch.ops.aten._weight_int8pack_mm(
+            xa[:, 32 * g : 32 * (g + 1)].contiguous(), layer.qweight[g], s[g].contiguous()
+        ).float()
+    assert torch.equal(kq.int8g_linear_cpu(x, layer), expect)
+
+
 _FALLBACK = r"""
 import sys, torch, infer_lab as il
 path = sys.argv[1]

@@ -140,13 +140,16 @@ def paged_attention_ref(
     return out
 
 
-def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, flat: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """``cache[tables]`` with each row's blocks end to end: ``[B, W * block_size, ...]``.
 
     ``index_select`` on the block dimension copies whole blocks; advanced indexing computes
     the same copy element by element and took 2-2.6x as long here (a 176- and a 1,000-token
-    context, one thread), once per layer for keys and once for values."""
-    picked = cache.index_select(0, tables.reshape(-1))
+    context, one thread), once per layer for keys and once for values. ``flat`` is
+    ``tables.reshape(-1)`` when the caller already has it (every layer of a step gathers the
+    same blocks)."""
+    picked = cache.index_select(0, tables.reshape(-1) if flat is None else flat)
     return picked.view(tables.shape[0], -1, *cache.shape[2:])
 
 
@@ -169,6 +172,8 @@ class PagedAttentionContext:
         self.logits_indices = batch.logits_indices
         self._step: tuple[torch.Tensor, ...] | None = None
         self._masks: dict[int | None, torch.Tensor] = {}
+        self._slots: torch.Tensor | None = None  # slot_mapping as int64 (the torch store's)
+        self._flat_tables: torch.Tensor | None = None  # the gather's block ids, end to end
         # Set to ask the model for its last hidden states (an EAGLE draft's features, Ch. 9).
         self.want_hidden_states = False
         self.hidden_states: torch.Tensor | None = None
@@ -179,7 +184,10 @@ class PagedAttentionContext:
         kc, vc = self.cache.k_caches[layer], self.cache.v_caches[layer]
         b = self.batch
         backend = kernels.resolve_backend(self.backend, q)
-        kernels.store_kv(k, v, kc, vc, b.slot_mapping, backend=backend)
+        if backend == "torch":
+            self._store_torch(layer, k, v)
+        else:
+            kernels.store_kv(k, v, kc, vc, b.slot_mapping, backend=backend)
         if backend == "triton" and getattr(b, "tree_mask", None) is not None:
             return triton_module("triton_attention").paged_attention_triton(
                 q, kc, vc, b.block_tables, b.context_lens, b.cu_seqlens_q, window=window,
@@ -204,6 +212,23 @@ class PagedAttentionContext:
             keys = torch.arange(tables.shape[1] * b.block_size, device=cu.device)
             self._step = (valid, rows, pos, tables, keys)
         return self._step
+
+    def _store_torch(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """:func:`~infer_lab.kernels.reference.store_kv_ref`'s writes in one op per tensor.
+
+        A one-token step stores two rows per layer, so the indexing's cost is all overhead:
+        ``index_copy_`` into a slot-indexed view, with the slots made int64 once per step,
+        took about a third of the reference's time (one thread). Caches that are not plain
+        tensors (the 8-bit ones, which quantize as they store) take the reference's path.
+        """
+        kc, vc = self.cache.k_caches[layer], self.cache.v_caches[layer]
+        if not (isinstance(kc, torch.Tensor) and kc.dtype == k.dtype == v.dtype):
+            kernels.store_kv(k, v, kc, vc, self.batch.slot_mapping, backend="torch")
+            return
+        if self._slots is None:
+            self._slots = self.batch.slot_mapping.long()
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, self._slots, k)
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, self._slots, v)
 
     def _mask(self, window: int | None) -> torch.Tensor:
         """``[B, 1, max_q, keys]``: causal by position, within the window, never past the end."""
@@ -232,13 +257,17 @@ class PagedAttentionContext:
     def _attend_torch(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                       window: int | None) -> torch.Tensor:
         valid, rows, _, tables, _ = self._step_layout()
-        keys = gather_blocks(kc, tables).to(q.dtype)  # [B, blocks * block_size, Hkv, D]
-        values = gather_blocks(vc, tables).to(q.dtype)
+        if self._flat_tables is None:
+            self._flat_tables = tables.reshape(-1)
+        keys = gather_blocks(kc, tables, self._flat_tables)  # [B, blocks * block_size, Hkv, D]
+        values = gather_blocks(vc, tables, self._flat_tables)
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         # a decode-only step has one query per sequence, in order: the padding is a view
         one_each = self.batch.max_query_len == 1
-        qb = q[:, None] if one_each else q[rows]  # [B, max_q, Hq, D]
+        qb = q.unsqueeze(2) if one_each else q[rows].transpose(1, 2)  # [B, Hq, max_q, D]
         out = F.scaled_dot_product_attention(
-            qb.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=self._mask(window), enable_gqa=qb.shape[2] != keys.shape[2],
+            qb, keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=self._mask(window), enable_gqa=qb.shape[1] != keys.shape[2],
         )
-        return out.transpose(1, 2)[:, 0] if one_each else out.transpose(1, 2)[valid]
+        return out[:, :, 0] if one_each else out.transpose(1, 2)[valid]
