@@ -217,7 +217,8 @@ SPACED = {"required": ' {\n "name" : "take_note" ,\n "arguments":\t' + NOTE_ARGS
 @pytest.mark.parametrize("spaced", [False, True])
 def test_a_forced_calls_arguments_are_found_in_the_growing_json(how, spaced):
     """The output arriving 1 to 4 characters at a time: the call's first delta (``index``,
-    ``id``, ``type``, name) comes before its JSON is complete, the rest carry only argument
+    ``id``, ``type``, name) comes in the first chunk for a named function and in the chunk
+    that completes the name's string for "required", the rest carry only argument
     text, and the pieces add up to exactly the whole answer's arguments at every split of the
     escaped quotes and braces; nothing is content. Cut anywhere, the output sends no complete
     call and what it sent is a prefix of the arguments."""
@@ -227,6 +228,7 @@ def test_a_forced_calls_arguments_are_found_in_the_growing_json(how, spaced):
                                            tool_choice=choice))
     whole = plan.call(text, "c")
     assert whole["function"] == {"name": "take_note", "arguments": NOTE_ARGS}
+    name_end = text.find('"take_note"') + len('"take_note"')
     for step in (1, 2, 3, 4):
         state, content, pieces = ToolStream(), "", []
         for at in range(0, len(text), step):
@@ -235,6 +237,9 @@ def test_a_forced_calls_arguments_are_found_in_the_growing_json(how, spaced):
             for d in deltas:
                 if not pieces:
                     assert at + step < len(text)  # before the JSON is complete
+                    # a named function's in the first chunk; "required"'s in the chunk that
+                    # completes the name's string, not later
+                    assert at == 0 if how == "named" else at < name_end <= at + step
                     assert d == {"index": 0, "id": "c_0", "type": "function", "function": {
                         "name": "take_note", "arguments": d["function"]["arguments"]}}
                 else:
