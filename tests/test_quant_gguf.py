@@ -141,6 +141,27 @@ def test_q8_0_on_cpu_by_group_calls_or_a_dense_bf16_copy(rows):
         assert y.shape == ref.shape and rel <= 1e-2, rel
 
 
+@pytest.mark.parametrize("groups", [3, 32, 33, 64])
+def test_one_row_takes_the_group_calls_only_while_a_row_has_few_groups(groups):
+    """At one row the per-group int8 calls pay a fixed cost per group, so a layer whose rows
+    have more than ``INT8G_GROUP_CALLS_MAX_GROUPS`` groups takes its bf16 copy instead; both
+    give the dequantized weight's product to bf16's precision."""
+    from infer_lab.kernels import quant as kq
+
+    rng = np.random.default_rng(groups)
+    k = 32 * groups
+    w = rng.normal(size=(48, k)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    fmt, tensors = gguf_block_tensors(blocks, "Q8_0", 48, k)
+    layer = QuantizedLinear(fmt, tensors, k, 48, None, 32)
+    x = torch.from_numpy(rng.normal(size=(1, k)).astype(np.float32))
+    y = kq.quant_linear(x, layer)
+    copied = torch.bfloat16 in layer.__dict__.get("_cpu_dense", {})
+    assert copied == (groups > kq.INT8G_GROUP_CALLS_MAX_GROUPS)
+    ref = x @ layer.dequantize().T
+    assert ((y - ref).norm() / ref.norm()).item() <= 1e-2
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_q8_0_group_calls_add_up_exactly_as_a_plain_fp32_sum(rows):
     """The per-group int8 calls' partials are added in fp32 in group order: the same numbers

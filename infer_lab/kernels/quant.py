@@ -24,6 +24,10 @@
   and lost to the dense matmul from two rows on (``head_q8_0_ms`` in
   ``benchmarks/results/peers.json``). The copy costs twice the codes' bytes, made the first time
   a Q8_0 layer sees more rows (in SmolLM2's file only the embedding, which is also the LM head).
+  The calls also cost a fixed amount per group, so a row with many groups (Q6_K's 16-wide
+  groups, any K-quant layer of a wide model) takes the copy even at one row: the calls only
+  while a row has at most ``INT8G_GROUP_CALLS_MAX_GROUPS`` groups
+  (``benchmarks/results/kquant_cpu.json``).
 - anything else (int4 with an output size that is not a multiple of 16 or a group size other
   than 32-256, which the CPU kernel refuses): the reference.
 
@@ -45,6 +49,7 @@ IMPLS = (None, "reference", "fast")
 CPU_ACTIVATION: torch.dtype | None = torch.bfloat16  # None: feed x's own dtype
 TRITON_GEMV_MAX_ROWS = 16  # at most this many rows of x: the GEMV kernel (decode)
 INT8G_GROUP_CALLS_MAX_ROWS = 1  # CPU Q8_0: up to this many rows per-group int8 calls, then bf16
+INT8G_GROUP_CALLS_MAX_GROUPS = 32  # ... and only while a row has at most this many groups
 CPU_INT4_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu takes
 
 
@@ -76,7 +81,8 @@ def quant_linear(x: torch.Tensor, layer: Any, *, backend: str | None = None,
     elif on_cpu and fmt == "int8":
         y = int8_linear_cpu(xs, layer.qweight, layer.scale)
     elif on_cpu and fmt == "int8g":
-        few = x2.shape[0] <= INT8G_GROUP_CALLS_MAX_ROWS
+        few = x2.shape[0] <= INT8G_GROUP_CALLS_MAX_ROWS and \
+            layer.qweight.shape[0] <= INT8G_GROUP_CALLS_MAX_GROUPS  # qweight: [groups, N, size]
         y = int8g_linear_cpu(xs, layer) if few else dense_linear_cpu(x2, layer)
     else:
         return quant_linear_ref(x, layer)
