@@ -11,9 +11,10 @@ Q4_K layers (int4 codes, the int4 kernel) are timed beside them.
 
 Each row cycles through enough copies of one random matrix that they do not fit in the
 last-level cache (as a model's layers, each read once a step), one thread, and takes the
-median over repeats of the CPU time per product. K-quants need rows that are multiples of 256
-values, which SmolLM2's 576 is not (llama.cpp falls back to other types for such tensors), so
-the shapes are a 1B-class model's; SmolLM2's tied head (49,152 x 576, Q8_0) is the first row.
+median over repeats of the CPU time per product, the variants timed in turn within each
+repeat. K-quants need rows that are multiples of 256 values, which SmolLM2's 576 is not
+(llama.cpp falls back to other types for such tensors), so the shapes are a 1B-class
+model's; SmolLM2's tied head (49,152 x 576, Q8_0) is the first row.
 
     python -m benchmarks.kquant_cpu [--threads 1] [--out kquant_cpu]
 """
@@ -56,17 +57,24 @@ def blocks_layer(qtype: str, n: int, k: int, g: torch.Generator) -> QuantizedLin
     return QuantizedLinear(fmt, tensors, k, rows, None, k // groups)
 
 
-def per_product_ms(fn: Callable[[object], object], items: list, repeats: int) -> float:
-    """Median over repeats of the CPU time of one product, cycling through ``items``."""
-    for item in items:
-        fn(item)
-    samples = []
-    for _ in range(repeats):
-        start = time.process_time()
+def per_product_ms(variants: dict[str, tuple[Callable[[object], object], list]],
+                   repeats: int, products: int = 32) -> dict[str, float]:
+    """Median over repeats of the CPU time of one product, per variant: each repeat times
+    every variant in turn (so a drift of the machine falls on all of them alike), each
+    sample at least ``products`` products cycling through the variant's items."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for fn, items in variants.values():  # warm: the first call of a path builds its packing
         for item in items:
             fn(item)
-        samples.append((time.process_time() - start) / len(items) * 1e3)
-    return statistics.median(samples)
+    for _ in range(repeats):
+        for name, (fn, items) in variants.items():
+            passes = -(-products // len(items))
+            start = time.process_time()
+            for _ in range(passes):
+                for item in items:
+                    fn(item)
+            samples[name].append((time.process_time() - start) / (passes * len(items)) * 1e3)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 @torch.inference_mode()
@@ -80,23 +88,22 @@ def measure(qtype: str, n: int, k: int, repeats: int) -> dict[str, object]:
     dense = [layer.dequantize(torch.float32) for layer in layers]
     for layer in layers:
         kq.dense_linear_cpu(x, layer)  # makes the bf16 copy, as a prefill would
-    row: dict[str, object] = {
-        "type": qtype, "shape": [n, k], "fmt": first.fmt, "group": first.group_size,
-        "groups_per_row": k // first.group_size, "copies_cycled": copies,
-        "kept_ms": per_product_ms(lambda ly: kq.quant_linear(x, ly), layers, repeats),
-        "bf16_copy_ms": per_product_ms(lambda ly: kq.dense_linear_cpu(x, ly), layers, repeats),
-        "fp32_ms": per_product_ms(lambda w: F.linear(x, w), dense, repeats),
+    variants: dict[str, tuple[Callable[[object], object], list]] = {
+        "kept_ms": (lambda ly: kq.quant_linear(x, ly), layers),
+        "bf16_copy_ms": (lambda ly: kq.dense_linear_cpu(x, ly), layers),
+        "fp32_ms": (lambda w: F.linear(x, w), dense),
     }
     if first.fmt == "int8g":
-        row["group_calls_ms"] = per_product_ms(lambda ly: kq.int8g_linear_cpu(x, ly), layers,
-                                               repeats)
-    return row
+        variants["group_calls_ms"] = (lambda ly: kq.int8g_linear_cpu(x, ly), layers)
+    return {"type": qtype, "shape": [n, k], "fmt": first.fmt, "group": first.group_size,
+            "groups_per_row": k // first.group_size, "copies_cycled": copies,
+            **per_product_ms(variants, repeats)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default="kquant_cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
