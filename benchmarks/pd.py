@@ -15,10 +15,14 @@ TTFT p50/p99, with 95% bootstrap intervals that resample requests as independent
 by every running request is not: read them as a floor on the uncertainty) and, beside them,
 block-bootstrap intervals that resample stretches of the timeline (``stats.block_bootstrap_ci``:
 requests one stall slowed were sent close together and come in or stay out together); with a
-few dozen short requests a TTFT p99 is close to their maximum. For all: goodput, the requests per
-second that met the SLO. The router's and the load generator's CPU seconds are recorded beside
-the figures, and the load average before and after (sampled then, not during): this machine is
-shared, so one run's figures are noisy; quote differences only where they exceed the intervals.
+few dozen short requests a TTFT p99 is close to their maximum. For every request, short or long:
+the largest gap between two successive streamed tokens, which request and when, and how many gaps
+(and how many distinct stalls) exceeded 100 and 250 ms (:func:`gap_extremes`): a p99 over
+thousands of gaps can hide the handful that a long prefill stretches. For all: goodput, the
+requests per second that met the SLO. The router's and the load generator's CPU seconds are
+recorded beside the figures, and the load average before and after (sampled then, not during):
+this machine is shared, so one run's figures are noisy; quote differences only where they
+exceed the intervals.
 
     python -m benchmarks.pd [--duration 40] [--rate 2] [--long-every 4] [--out pd]
 
@@ -36,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +60,11 @@ from infer_lab.measure.stats import (
 from infer_lab.measure.workloads import RequestSpec
 from infer_lab.serve.launch import free_port
 
+GAP_THRESHOLDS_MS = (100.0, 250.0)
+# written beside the rows: why the maximum gap has no interval
+MAX_GAP_NOTE = ("max_gap_ms has no interval: a bootstrap resample's maximum can never exceed the "
+                "sample's, so resampling says nothing about it; the counts of gaps and of "
+                "distinct stalls over each threshold are reported instead")
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 TOKEN = "pd-bench"
 
@@ -134,6 +144,42 @@ def workload(args: argparse.Namespace) -> list[RequestSpec]:
     return sorted(specs, key=lambda s: s.arrival)
 
 
+def gap_extremes(streams: Sequence[Sequence[float]],
+                 thresholds_ms: Sequence[float] = GAP_THRESHOLDS_MS) -> dict[str, Any]:
+    """The largest gap between successive tokens of any stream, and how many gaps were long.
+
+    ``streams`` holds each request's token arrival times in seconds into the run (empty for a
+    failed request: it has no gaps). Returns ``gaps`` (their number), ``max_gap_ms``,
+    ``max_gap_request`` (the index of its stream), ``max_gap_start_s`` (when its earlier token
+    came) and, for each threshold ``t``: ``gaps_over_<t>ms``, the gaps longer than ``t``;
+    ``requests_over_<t>ms``, the streams with at least one; and ``stalls_over_<t>ms``, those
+    gaps with overlapping spans merged, since one prefill stretches a gap of every request
+    decoding at the time. The maximum is None when there are no gaps. No interval (see
+    :data:`MAX_GAP_NOTE`): a maximum over one run is an observation, not an estimate.
+    """
+    spans: list[tuple[float, float, int]] = []  # (start, end, stream) of every gap
+    for i, times in enumerate(streams):
+        t = np.asarray(times, dtype=float)
+        if np.any(np.diff(t) < 0):
+            raise ValueError(f"stream {i}: token times must not decrease")
+        spans += [(float(a), float(b), i) for a, b in zip(t[:-1], t[1:], strict=True)]
+    out: dict[str, Any] = {"gaps": len(spans), "max_gap_ms": None, "max_gap_request": None,
+                           "max_gap_start_s": None}
+    if spans:
+        a, b, i = max(spans, key=lambda s: s[1] - s[0])
+        out.update(max_gap_ms=(b - a) * 1e3, max_gap_request=i, max_gap_start_s=a)
+    for limit in thresholds_ms:
+        long = sorted(s for s in spans if (s[1] - s[0]) * 1e3 > limit)
+        stalls, reach = 0, -np.inf
+        for start, end, _ in long:  # sorted by start: a new stall when past the last reach
+            stalls += start >= reach
+            reach = max(reach, end)
+        out[f"gaps_over_{limit:g}ms"] = len(long)
+        out[f"requests_over_{limit:g}ms"] = len({s[2] for s in long})
+        out[f"stalls_over_{limit:g}ms"] = int(stalls)
+    return out
+
+
 def measure(config: str, specs: list[RequestSpec], slo: dict[str, float]) -> dict[str, Any]:
     procs, base, rproc, one = start(config)
     try:
@@ -177,6 +223,11 @@ def measure(config: str, specs: list[RequestSpec], slo: dict[str, float]) -> dic
     row["itl_p50_block_ci_ms"], row["itl_p99_block_ci_ms"] = block["p50"], block["p99"]
     row["short_ttft_p50_block_ci_ms"] = block_bootstrap_ci(
         np.asarray(short_ttft) * 1e3, sent, ps=(50,))["p50"]
+    # every request's gaps, long ones' too: a stall shows in whichever streams it stretched
+    extremes = gap_extremes([r.chunk_times if r.success else [] for r in run.results])
+    if extremes["max_gap_request"] is not None:
+        extremes["max_gap_prompt_len"] = run.results[extremes["max_gap_request"]].prompt_len
+    row.update(extremes)
     good = sum(meets_slo(r, slo) for r in run.results)
     row["goodput_rps"] = good / run.duration
     row["slo_met"] = good / len(run.results)
@@ -199,6 +250,7 @@ def main() -> None:
     rows = [measure(c, specs, slo) for c in args.configs.split(",")]
     print_table(rows, ["config", "requests", "failed", "itl_p50_ms", "itl_p99_ms",
                        "short_ttft_p50_ms", "short_ttft_p99_ms", "long_ttft_p50_ms",
+                       "max_gap_ms", "gaps_over_100ms", "stalls_over_100ms",
                        "goodput_rps", "router_cpu_s", "loadgen_cpu_s"])
     payload = {"provenance": provenance("cpu"), "model": "bundled (tiny-kjv)",
                "workload": {"duration_s": args.duration, "short_rate": args.rate,
@@ -206,7 +258,7 @@ def main() -> None:
                             "long_prompt": args.long_len, "long_every_s": args.long_every,
                             "slo": args.slo},
                "load_average_before": load_before, "load_average_after": os.getloadavg(),
-               "rows": rows}
+               "max_gap_note": MAX_GAP_NOTE, "rows": rows}
     print("wrote", write_results(args.out, payload))
 
 
