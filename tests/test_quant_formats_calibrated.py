@@ -143,6 +143,51 @@ def test_tiny_calibration_end_to_end_beats_rtn_in_kl():
     assert 4 + 20 / 128 < models["rtn"][1] < 4 + 20 / 64  # ragged last groups cost more
 
 
+def test_sequential_calibration_feeds_each_block_the_quantized_blocks_outputs():
+    """Block 0 sees what the one pass sees; block 1 sees what the model with block 0 already
+    quantized gives it, and not the unquantized inputs; with an identity "format" nothing is
+    quantized and every block's statistics are the one pass's, and the copy is the model."""
+    from infer_lab.model.quant.calibrate import blocks_of, quantize_sequential
+
+    model, tok = il.load()
+    ids = torch.tensor(tok.encode(HELDOUT.read_text()))
+    calib = [ids[i: i + 32] for i in range(0, 32 * 4, 32)]
+    one_pass = collect_stats(model, calib)
+    seen: list[dict] = []
+
+    def rtn_for(stats):
+        seen.append(stats)
+        return WEIGHT_FORMATS["int4 g32 RTN"]
+
+    q, bits = quantize_sequential(model, calib, rtn_for)
+    blocks = list(blocks_of(model))
+    assert len(seen) == len(blocks) and 4 < bits < 5
+    assert [set(st) for st in seen] == [{n for n, _ in blocks_of(model)[b]} for b in blocks]
+    first, second = seen[0], seen[1]
+    for name, st in first.items():  # nothing before block 0: the same inputs
+        assert torch.equal(st.xtx, one_pass[name].xtx) and st.rows == one_pass[name].rows
+    name = next(iter(second))
+    assert not torch.allclose(second[name].xtx, one_pass[name].xtx)
+    # ... and exactly what a model whose block 0 alone is quantized gives block 1
+    only0 = {n for n, _ in blocks_of(model)[blocks[0]]}
+    half, _ = fake_quantize(model, lambda n, w: WEIGHT_FORMATS["int4 g32 RTN"](n, w)
+                            if n in only0 else (w, 32.0))
+    expect = collect_stats(half, calib, only=set(second))
+    torch.testing.assert_close(second[name].xtx, expect[name].xtx, rtol=1e-6, atol=1e-6)
+    # every weight quantized, the hooks gone, the original untouched
+    for (n, m), (_, m0) in zip(layer_linears(q), layer_linears(model), strict=True):
+        assert not torch.equal(m.weight, m0.weight), n
+        assert not m._forward_pre_hooks and not m._forward_hooks
+    seen.clear()
+    same, _ = quantize_sequential(model, calib, lambda st: (seen.append(st) or
+                                                            (lambda n, w: (w, 32.0))))
+    for st in seen:
+        for n, v in st.items():
+            assert torch.equal(v.xtx, one_pass[n].xtx), n
+    with torch.no_grad():
+        assert torch.equal(same(ids[None, :40]), model(ids[None, :40]))
+
+
 # ------------------------------------------------------------------ GPTQ checkpoint layout
 def autogptq_dequantize(qweight, qzeros, scales, g_idx):
     """AutoGPTQ's QuantLinear (v1) dequantization, written from its forward: the reference."""

@@ -4,8 +4,9 @@ GPTQ needs each linear layer's input Hessian ``2 X^T X / n``, AWQ each input cha
 magnitude and a sample of inputs: :func:`collect_stats` gathers all three in one pass of the
 unquantized model over calibration sequences (forward hooks on every linear of the transformer
 layers). That is the one-pass variant: the original GPTQ quantizes layer by layer and feeds
-each layer the *quantized* layers' outputs, which costs a pass per layer; the original AWQ
-searches its scales block by block on the full-precision block's (scaled) outputs.
+each layer the *quantized* layers' outputs, which costs a pass per layer
+(:func:`quantize_sequential` does that, block by block); the original AWQ searches its scales
+block by block on the full-precision block's (scaled) outputs.
 
 :func:`fake_quantize` then replaces every such linear's weight by its quantized-and-decoded
 value: what a kernel that reads the format computes, up to the order of its additions. The
@@ -14,6 +15,7 @@ embedding (tied LM head) is left as it is, as GPTQ/AWQ/FP8 checkpoints usually l
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -53,10 +55,18 @@ def layer_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return out
 
 
+class _Collected(Exception):
+    """Raised by a hook once the linears asked for have seen this sequence: the rest of the
+    forward is not needed."""
+
+
 @torch.inference_mode()
 def collect_stats(model: nn.Module, sequences: Iterable[torch.Tensor],
-                  sample_rows: int = 512, seed: int = 0) -> dict[str, LinearStats]:
-    """Run ``model`` over ``sequences`` (1-D token tensors) and gather every linear's inputs."""
+                  sample_rows: int = 512, seed: int = 0, *, only: set[str] | None = None,
+                  stop_after: nn.Module | None = None) -> dict[str, LinearStats]:
+    """Run ``model`` over ``sequences`` (1-D token tensors) and gather every linear's inputs
+    (or only those named in ``only``; with ``stop_after``, each forward ends once that module
+    has run)."""
     stats: dict[str, LinearStats] = {}
     gen = torch.Generator().manual_seed(seed)
     hooks = []
@@ -74,15 +84,63 @@ def collect_stats(model: nn.Module, sequences: Iterable[torch.Tensor],
             st.sample = torch.cat([st.sample, x[take].float()])[-sample_rows:]
         return fn
 
+    def stop(*_: object) -> None:
+        raise _Collected
+
     for name, mod in layer_linears(model):
-        hooks.append(mod.register_forward_pre_hook(hook(name, mod.in_features)))
+        if only is None or name in only:
+            hooks.append(mod.register_forward_pre_hook(hook(name, mod.in_features)))
+    if stop_after is not None:
+        hooks.append(stop_after.register_forward_hook(stop))
     try:
         for seq in sequences:
-            model(torch.as_tensor(seq, dtype=torch.long)[None])
+            with contextlib.suppress(_Collected):
+                model(torch.as_tensor(seq, dtype=torch.long)[None])
     finally:
         for h in hooks:
             h.remove()
     return stats
+
+
+def blocks_of(model: nn.Module) -> dict[str, list[tuple[str, nn.Linear]]]:
+    """The layer linears grouped by transformer block (``layers.3``), in the model's order."""
+    blocks: dict[str, list[tuple[str, nn.Linear]]] = {}
+    for name, mod in layer_linears(model):
+        blocks.setdefault(".".join(name.split(".")[:2]), []).append((name, mod))
+    return blocks
+
+
+@torch.no_grad()
+def quantize_sequential(model: nn.Module, sequences: list[torch.Tensor],
+                        weight_fn_for: Callable[[dict[str, LinearStats]], WeightFn],
+                        sample_rows: int = 512, seed: int = 0) -> tuple[nn.Module, float]:
+    """GPTQ's original order, block by block: each transformer block's linears are calibrated
+    on the inputs that the blocks before it, *already quantized*, produce, and quantized
+    before the next block is calibrated, so a block's rounding can make up for the error the
+    earlier blocks left in its inputs. :func:`collect_stats` + :func:`fake_quantize` is the
+    one-pass variant (every block calibrated on the unquantized model's inputs).
+
+    ``weight_fn_for(stats)`` gives the :data:`WeightFn` for one block's statistics. Within a
+    block every linear is calibrated on that block's inputs in one pass (AutoGPTQ with
+    ``true_sequential=False``; its default, ``True``, also re-collects the later linears of a
+    block after quantizing the earlier ones). Each block costs a forward of the calibration
+    sequences up to that block. Returns the quantized copy and its bits per weight.
+    """
+    q = copy.deepcopy(model)
+    bits = numel = 0.0
+    for block, linears in blocks_of(q).items():
+        stats = collect_stats(q, sequences, sample_rows, seed, only={n for n, _ in linears},
+                              stop_after=q.get_submodule(block))
+        fn = weight_fn_for(stats)
+        for name, mod in linears:
+            w_hat, b = fn(name, mod.weight.detach().float())
+            if w_hat.shape != mod.weight.shape or not torch.isfinite(w_hat).all():
+                raise FormatError(f"{name}: the quantized weight is {tuple(w_hat.shape)} or "
+                                  "not finite")
+            mod.weight.copy_(w_hat.to(mod.weight.dtype))
+            bits += b * mod.weight.numel()
+            numel += mod.weight.numel()
+    return q, bits / numel
 
 
 @torch.no_grad()
