@@ -9,8 +9,9 @@ prefill already holds it). The per-group calls pay a fixed cost per group, so th
 depends on how many groups a row has (in features / group size), not only on the bytes.
 Q4_K layers (int4 codes, the int4 kernel) are timed beside them.
 
-Each row cycles through enough copies of one random matrix that they do not fit in the
-last-level cache (as a model's layers, each read once a step), one thread, and takes the
+Each row cycles through enough copies of one random matrix that even their smallest form (the
+kept codes, scales and minimums) is three times the last-level cache (as a model's layers,
+each read once a step; the working set of each form is recorded), one thread, and takes the
 median over repeats of the CPU time per product, the variants timed in turn within each
 repeat. K-quants need rows that are multiples of 256 values, which SmolLM2's 576 is not
 (llama.cpp falls back to other types for such tensors), so the shapes are a 1B-class
@@ -42,7 +43,7 @@ ROWS = [("Q8_0", 49152, 576), ("Q8_0", 2048, 2048), ("Q8_0", 2048, 5632),
         ("Q5_K", 2048, 2048), ("Q5_K", 5632, 2048), ("Q5_K", 2048, 5632),
         ("Q4_K", 2048, 2048), ("Q4_K", 5632, 2048), ("Q4_K", 2048, 5632)]
 ENCODERS = {"Q6_K": quantize_q6_k, "Q5_K": quantize_q5_k, "Q4_K": quantize_q4_k}
-CYCLE_BYTES = 96 << 20  # fp32 bytes of the copies cycled: three times this machine's 32 MB L3
+CYCLE_BYTES = 96 << 20  # bytes of the *smallest* form cycled: three times this machine's 32 MB L3
 
 
 def blocks_layer(qtype: str, n: int, k: int, g: torch.Generator) -> QuantizedLinear:
@@ -57,8 +58,13 @@ def blocks_layer(qtype: str, n: int, k: int, g: torch.Generator) -> QuantizedLin
     return QuantizedLinear(fmt, tensors, k, rows, None, k // groups)
 
 
+def stored_bytes(layer: QuantizedLinear) -> int:
+    """The bytes a product of the kept layer reads: its codes, scales and minimums."""
+    return sum(t.numel() * t.element_size() for t in layer.buffers())
+
+
 def per_product_ms(variants: dict[str, tuple[Callable[[object], object], list]],
-                   repeats: int, products: int = 32) -> dict[str, float]:
+                   repeats: int, products: int = 32) -> dict[str, list[float]]:
     """Median over repeats of the CPU time of one product, per variant: each repeat times
     every variant in turn (so a drift of the machine falls on all of them alike), each
     sample at least ``products`` products cycling through the variant's items."""
@@ -74,14 +80,15 @@ def per_product_ms(variants: dict[str, tuple[Callable[[object], object], list]],
                 for item in items:
                     fn(item)
             samples[name].append((time.process_time() - start) / (passes * len(items)) * 1e3)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
 
 
 @torch.inference_mode()
 def measure(qtype: str, n: int, k: int, repeats: int) -> dict[str, object]:
     g = torch.Generator().manual_seed(n * 7 + k)
-    copies = max(2, -(-CYCLE_BYTES // (4 * n * k)))
     first = blocks_layer(qtype, n, k, g)
+    # enough copies that even the smallest form (the kept codes) comes from memory
+    copies = max(2, -(-CYCLE_BYTES // stored_bytes(first)))
     # the copies share nothing: each its own codes, bf16 copy and fp32 weight
     layers = [first] + [blocks_layer(qtype, n, k, g) for _ in range(copies - 1)]
     x = torch.randn(1, k, generator=g)
@@ -95,9 +102,14 @@ def measure(qtype: str, n: int, k: int, repeats: int) -> dict[str, object]:
     }
     if first.fmt == "int8g":
         variants["group_calls_ms"] = (lambda ly: kq.int8g_linear_cpu(x, ly), layers)
+    samples = per_product_ms(variants, repeats)
+    ws = {"kept": copies * stored_bytes(first), "bf16_copy": copies * 2 * n * k,
+          "fp32": copies * 4 * n * k}
     return {"type": qtype, "shape": [n, k], "fmt": first.fmt, "group": first.group_size,
             "groups_per_row": k // first.group_size, "copies_cycled": copies,
-            **per_product_ms(variants, repeats)}
+            "working_set_mib": {v: round(b / 2**20, 1) for v, b in ws.items()},
+            **{name: statistics.median(v) for name, v in samples.items()},
+            "samples_ms": {name: [round(x, 4) for x in v] for name, v in samples.items()}}
 
 
 def main() -> None:
