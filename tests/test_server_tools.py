@@ -214,6 +214,27 @@ SPACED = {"required": ' {\n "name" : "take_note" ,\n "arguments":\t' + NOTE_ARGS
 
 
 @pytest.mark.parametrize("how", list(FORCED))
+@pytest.mark.parametrize("stop_reason", [None, '"', 13])
+def test_a_forced_call_ended_by_a_stop_string_or_token_is_dropped(how, stop_reason):
+    """A forced call is one only when the grammar ended it (``stop`` with nothing behind it):
+    the same complete JSON ended by a stop string or a stop token id is dropped, with an empty
+    content and the finish reason ``stop``, as a call cut by ``max_tokens`` is."""
+    from infer_lab.engine.outputs import CompletionOutput
+    from infer_lab.serve.responses import Shape
+
+    choice, text = FORCED[how]
+    plan = tool_plan(ChatCompletionRequest(messages=ASK, tools=[WEATHER, NOTE],
+                                           tool_choice=choice))
+    shape = Shape("chatcmpl-x", True, "m", None, tools=plan)
+    message, finish = shape.tool_message(CompletionOutput(0, text, [], "stop", stop_reason))
+    if stop_reason is None:
+        assert finish == "tool_calls" and message["tool_calls"][0]["function"] == {
+            "name": "take_note", "arguments": NOTE_ARGS}
+    else:
+        assert finish == "stop" and message == {"role": "assistant", "content": ""}
+
+
+@pytest.mark.parametrize("how", list(FORCED))
 @pytest.mark.parametrize("spaced", [False, True])
 def test_a_forced_calls_arguments_are_found_in_the_growing_json(how, spaced):
     """The output arriving 1 to 4 characters at a time: the call's first delta (``index``,

@@ -217,9 +217,10 @@ class PagedAttentionContext:
         """:func:`~infer_lab.kernels.reference.store_kv_ref`'s writes in one op per tensor.
 
         A one-token step stores two rows per layer, so the indexing's cost is all overhead:
-        ``index_copy_`` into a slot-indexed view, with the slots made int64 once per step,
-        took about a third of the reference's time (one thread). Caches that are not plain
-        tensors (the 8-bit ones, which quantize as they store) take the reference's path.
+        ``index_copy_`` into a slot-indexed view, with the slots made int64 once per step, is
+        one op where the reference's view, cast and ``index_put_`` are several. Caches that
+        are not plain tensors (the 8-bit ones, which quantize as they store), or not of the
+        new K/V's dtype, take the reference's path.
         """
         kc, vc = self.cache.k_caches[layer], self.cache.v_caches[layer]
         if not (isinstance(kc, torch.Tensor) and kc.dtype == k.dtype == v.dtype):

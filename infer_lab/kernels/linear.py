@@ -11,9 +11,9 @@ another processor's MKL does better was not measured. oneDNN takes the plain wei
 Only float32 takes the inner product. ``F.linear`` already sends a bf16 product on a CPU
 with bf16 support to oneDNN (``aten::mm``), and the inner product, called from here, was the
 slower of the two: a forward's bf16 products ran 3-9% slower through it (0.91-0.97x
-``F.linear``'s speed) at seven of the eight row counts measured, one to 256
-(``benchmarks/results/cpu_linear.json``, commit d95cdc7, one thread), so bf16 stays with
-``F.linear``.
+``F.linear``'s speed, medians of passes whose ranges overlap) at seven of the eight row counts
+measured, one to 256 (``benchmarks/results/cpu_linear.json``, commit d95cdc7, one thread), so
+bf16 stays with ``F.linear``, the simpler route.
 
 The fast path is for inference only: a product that needs a gradient (training an EAGLE head,
 Chapter 9) goes to ``F.linear``, since oneDNN's op has no backward; so do empty or 0-d inputs,
