@@ -12,11 +12,14 @@ public domain; calibration from the start of the file, evaluation from after it,
 - **kv**: K and V stored as fp16, int8 (+ scale per token and head), FP8 E4M3 without a scale
   and with one.
 
-Each row: mean and 99th-percentile KL (nats per token), top-1 agreement, perplexity (and the
-reference's), over ``--eval-tokens`` scored tokens in windows of ``--window`` (stride
-``--stride``). SmolLM2's reference is its GGUF file dequantized to fp32: its linear weights sit on
-a Q4_1 grid already (int4 g32 min/scale reproduces them), its embedding on Q8_0's. The load
-average is recorded at the start and the end: seconds per row are only a rough guide.
+Each row: mean and 99th-percentile KL (nats per token), each with a 95 % interval from a
+bootstrap over whole windows (``kl_mean_ci95``, ``kl_p99_ci95``; the per-window sums are kept,
+the per-token values are not), the number of tokens past the 99th percentile (``beyond_p99``),
+top-1 agreement, perplexity (and the reference's), over ``--eval-tokens`` scored tokens in
+windows of ``--window`` (stride ``--stride``). SmolLM2's reference is its GGUF file dequantized
+to fp32: its linear weights sit on a Q4_1 grid already (int4 g32 min/scale reproduces them), its
+embedding on Q8_0's. The load average is recorded at the start and the end: seconds per row are
+only a rough guide.
 
     python -m benchmarks.quant_formats                                  # both models
     python -m benchmarks.quant_formats --models tiny-kjv --eval-tokens 12000
@@ -117,9 +120,13 @@ def run_model(name: str, args: argparse.Namespace,
             "format": label, "family": family, "bits": round(bits, 4),
             **{k: v for k, v in r.as_dict().items() if k not in ("window", "stride")},
             "kl_mean_ci95": list(r.kl_mean_ci()),  # windows resampled, not tokens
+            "kl_p99_ci95": list(r.kl_p99_ci()),  # likewise; the per-token values not kept
+            "beyond_p99": r.beyond_p99,  # tokens past the p99: >= 10 for it to be a tail
             "seconds": round(time.perf_counter() - t0, 1)})
         result["eval_tokens"] = r.tokens
-        print(f"  {label:>24} {bits:6.3f} b  KL {r.kl_mean:.5f} (p99 {r.kl_p99:.4f})  "
+        lo, hi = result["rows"][-1]["kl_p99_ci95"]
+        print(f"  {label:>24} {bits:6.3f} b  KL {r.kl_mean:.5f} (p99 {r.kl_p99:.4f} "
+              f"[{lo:.4f}, {hi:.4f}])  "
               f"top1 {r.top1_agreement:.3f}  ppl {r.ppl:.3f}/{r.ppl_ref:.3f}", flush=True)
         progress(result)
     return result

@@ -5,12 +5,15 @@ constructed models whose answer is known in closed form, then real models (the s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import infer_lab as il
+from infer_lab.measure import stats
 from infer_lab.measure.kl import (
     CachedReference,
     kl_divergence,
@@ -65,6 +68,11 @@ def test_mean_p99_agreement_and_perplexity_match_closed_form(window, stride):
     # the windows' sums are the per-position divergences cut where the windows score
     assert sum(n for _, n in res.window_sums) == 119
     assert sum(s for s, _ in res.window_sums) == pytest.approx(float(per_pos.sum()), rel=1e-9)
+    # and the per-token values, by window in text order, are the per-position divergences
+    assert [len(w) for w in res.window_kls] == [n for _, n in res.window_sums]
+    flat = torch.tensor([k for w in res.window_kls for k in w], dtype=torch.float64)
+    assert torch.allclose(flat, per_pos, rtol=1e-12, atol=0)
+    assert "window_kls" not in res.as_dict() and res.as_dict()["kl_p99"] == res.kl_p99
 
 
 def test_kl_mean_interval_resamples_windows():
@@ -80,6 +88,65 @@ def test_kl_mean_interval_resamples_windows():
     assert res.kl_mean_ci(seed=1) != (lo, hi) and res.kl_mean_ci() == (lo, hi)  # seeded
     one = kl_divergence(TableModel(ref_table), TableModel(cand_table), ids[:40], 64, 32)
     assert len(one.window_sums) == 1 and math.isnan(one.kl_mean_ci()[0])  # one window: none
+
+
+class BigramModel(TableModel):
+    """``table[ids]`` plus ``shift[previous token]``: logits that depend on two tokens."""
+
+    def __init__(self, table: torch.Tensor, shift: torch.Tensor) -> None:
+        super().__init__(table)
+        self.shift = shift
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        prev = torch.cat([ids[:, :1], ids[:, :-1]], 1)
+        return self.table[ids] + self.shift[prev]
+
+
+def _table_run(n_tokens: int = 400, window: int = 32, stride: int = 16):
+    """A candidate off by a different amount at almost every position: a continuous tail."""
+    gen = torch.Generator().manual_seed(2)
+    vocab = 31
+    ref_table = torch.randn(vocab, vocab, generator=gen) * 2
+    shift = torch.randn(vocab, vocab, generator=gen)
+    ids = torch.randint(0, vocab, (n_tokens,), generator=gen)
+    return kl_divergence(TableModel(ref_table), BigramModel(ref_table, shift), ids, window,
+                         stride)
+
+
+def test_kl_p99_interval_resamples_windows():
+    res = _table_run()
+    lo, hi = res.kl_p99_ci()
+    assert lo <= res.kl_p99 <= hi and lo < hi
+    assert res.kl_p99_ci() == (lo, hi)
+    few = res.kl_p99_ci(n_boot=50)  # few resamples: the seed shows (2000 land on the same
+    assert res.kl_p99_ci(n_boot=50) == few != res.kl_p99_ci(n_boot=50, seed=1)  # few values)
+    narrow = res.kl_p99_ci(level=0.5)
+    assert lo <= narrow[0] <= narrow[1] <= hi  # a lower level, a narrower interval
+    # Chapter 7's interval with the windows as groups, and its count of samples past the p99
+    assert (lo, hi) == stats.bootstrap_ci(res.window_kls, ps=(99,), n_boot=2000)["p99"]
+    assert res.beyond_p99 == stats.beyond(res.tokens, 99) == 4  # 399 tokens: too few for a tail
+    one = _table_run(40, 64, 32)
+    assert len(one.window_kls) == 1 and all(math.isnan(x) for x in one.kl_p99_ci())
+    stored = dataclasses.replace(res, window_kls=())  # e.g. read back from a result file
+    assert all(math.isnan(x) for x in stored.kl_p99_ci())
+
+
+def test_kl_p99_interval_width_follows_the_windows():
+    res = _table_run()
+    w = res.window_kls
+    # every window the same: every resample pools copies of one window, so one value
+    same = dataclasses.replace(res, window_kls=(w[3],) * len(w))
+    lo, hi = same.kl_p99_ci()
+    pooled = torch.tensor(w[3] * len(w), dtype=torch.float64)
+    assert lo == hi == pytest.approx(float(torch.quantile(pooled, 0.99)), rel=1e-12)
+    # one window with a run of huge outliers (one bad passage, more tokens than lie past the
+    # p99): resamples that draw it and those that miss it disagree on the tail
+    spiked = list(w)
+    spiked[5] = tuple(k + (1000.0 if i < 8 else 0.0) for i, k in enumerate(w[5]))
+    base = res.kl_p99_ci()
+    out = dataclasses.replace(res, window_kls=tuple(spiked)).kl_p99_ci()
+    assert out[1] - out[0] > 10 * (base[1] - base[0])
+    assert out[1] > 100  # the outlier itself reaches the top of the interval
 
 
 def test_identical_models_and_many_candidates():
@@ -122,6 +189,20 @@ def test_real_model_against_itself_is_zero_and_perplexity_agrees(tiny):
     assert res.kl_mean == 0.0 and res.top1_agreement == 1.0
     # the same windows as quality.perplexity: the same perplexity
     assert res.ppl_ref == pytest.approx(perplexity(model, ids, window=64).perplexity, rel=1e-5)
+
+
+def test_real_model_p99_interval_holds_the_estimate():
+    model, tok = il.load()
+    heldout = Path(il.__file__).parent / "assets" / "tiny-moe" / "heldout.txt"
+    ids = tok.encode(heldout.read_text())[:1025]
+    res = kl_divergence(model, quantize_model(copy.deepcopy(model), "int4", 32), ids,
+                        window=128, stride=64)
+    assert res.tokens == 1024 and len(res.window_kls) >= 15
+    lo, hi = res.kl_p99_ci()
+    assert 0 < lo <= res.kl_p99 <= hi
+    m_lo, m_hi = res.kl_mean_ci()
+    assert m_hi < lo  # the tail sits well above the mean, both resampled by window
+    assert res.beyond_p99 == 11  # 1024 tokens: just enough past the p99 for a tail (>= 10)
 
 
 def test_real_model_int8_diverges_less_than_int4(tiny):

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from infer_lab.measure import stats
+
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # [1, S] ids -> [1, S, vocab] logits
 
 
@@ -40,9 +42,14 @@ class KLResult:
     stride: int
     # (sum of KL, scored tokens) per window, in text order: what an interval resamples
     window_sums: tuple[tuple[float, int], ...] = ()
+    # every scored token's KL, grouped by window in text order: what the p99's interval
+    # resamples (kept in memory, ~10k floats; left out of as_dict, see there)
+    window_kls: tuple[tuple[float, ...], ...] = ()
 
     def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
+        """The fields for a result file, less ``window_kls``: a float per scored token would
+        make a table of thirty formats megabytes; store :meth:`kl_p99_ci`'s interval instead."""
+        return {k: v for k, v in asdict(self).items() if k != "window_kls"}
 
     def kl_mean_ci(self, level: float = 0.95, n_boot: int = 2000, seed: int = 0
                    ) -> tuple[float, float]:
@@ -62,6 +69,30 @@ class KLResult:
         lo, hi = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2],
                                                     dtype=torch.float64)).tolist()
         return (lo, hi)
+
+    def kl_p99_ci(self, level: float = 0.95, n_boot: int = 2000, seed: int = 0
+                  ) -> tuple[float, float]:
+        """A bootstrap interval of ``kl_p99`` that resamples whole windows, not tokens.
+
+        For the reason :meth:`kl_mean_ci` gives: one hard passage raises a run of neighbouring
+        tokens' divergences, and the tail is made of such runs, so resampling single tokens
+        would treat one passage's dozen bad positions as a dozen independent draws and give too
+        narrow an interval. Each resample draws windows with replacement, pools their tokens
+        and takes the same (linear) percentile as ``kl_p99``: Chapter 7's
+        :func:`~infer_lab.measure.stats.bootstrap_ci` with the window as the group. NaN with
+        fewer than 2 windows, or when the per-token values were not kept.
+        """
+        if len(self.window_kls) < 2:
+            return (math.nan, math.nan)
+        return stats.bootstrap_ci(self.window_kls, ps=(99,), level=level, n_boot=n_boot,
+                                  seed=seed)["p99"]
+
+    @property
+    def beyond_p99(self) -> int:
+        """How many scored tokens lie past ``kl_p99`` (:func:`~infer_lab.measure.stats.beyond`):
+        under :data:`~infer_lab.measure.stats.MIN_BEYOND` (10) it is the largest value or two,
+        not a tail (Chapter 7's rule); 10,000 tokens give 100."""
+        return stats.beyond(self.tokens, 99)
 
 
 class CachedReference:
@@ -155,7 +186,8 @@ def kl_divergence_many(reference: LogitsFn, candidates: Mapping[str, LogitsFn],
             kl_mean=float(k.mean()), kl_p99=float(torch.quantile(k, 0.99)),
             kl_max=float(k.max()), top1_agreement=same[name] / count,
             ppl=math.exp(nll[name] / count), ppl_ref=math.exp(ref_nll / count),
-            tokens=count, window=window, stride=stride, window_sums=tuple(sums[name]))
+            tokens=count, window=window, stride=stride, window_sums=tuple(sums[name]),
+            window_kls=tuple(tuple(w.tolist()) for w in kls[name]))
     return out
 
 
