@@ -61,6 +61,26 @@ def test_quant_formats_merge_replaces_rerun_rows_and_keeps_both_provenances(tmp_
     assert part["models"][0]["eval_tokens"] == 511
 
 
+def test_quant_formats_row_carries_both_intervals_and_no_per_token_values():
+    """A short real run of one row: the interval of the p99 holds it, the count beyond it is
+    Chapter 7's, and the row (what the result file stores) is JSON without the per-token KL."""
+    import argparse
+    import json
+
+    from benchmarks.quant_formats import run_model
+    from infer_lab.measure import stats
+
+    args = argparse.Namespace(calib_seqs=2, calib_len=64, eval_tokens=1024, window=128,
+                              stride=64, only=["int4 g32 RTN"])
+    rows = run_model("tiny-kjv", args)["rows"]
+    assert [r["format"] for r in rows] == ["int4 g32 RTN"]
+    row = json.loads(json.dumps(rows[0]))  # what write_results would store
+    assert "window_kls" not in row and len(row["window_sums"]) >= 15
+    lo, hi = row["kl_p99_ci95"]
+    assert lo <= row["kl_p99"] <= hi and row["kl_mean_ci95"][1] < lo
+    assert row["beyond_p99"] == stats.beyond(row["tokens"], 99) == 11
+
+
 def _aiperf_record(phase, start_ns, ttft_ms, e2el_ms, icl_ms, error=None):
     """One line of aiperf 0.13's ``profile_export.jsonl``, as its record exporter writes it."""
     import json
