@@ -51,6 +51,7 @@ from infer_lab.model.quant.awq import awq_int4, scales_fold
 from infer_lab.model.quant.calibrate import (
     collect_stats,
     fake_quantize,
+    quantize_sequential,
     with_activation_format,
 )
 from infer_lab.model.quant.formats import WEIGHT_FORMATS
@@ -111,7 +112,7 @@ def run_model(name: str, args: argparse.Namespace,
               "fp32 dequantized from the GGUF file (linears Q4_1, embedding Q8_0)",
               "eval_tokens": eval_tokens, "calibration_tokens": n_cal,
               "calibration_seconds": round(calib_s, 1), "rows": []}
-    for label, family, make in row_jobs(name, model, stats, args.only):
+    for label, family, make in row_jobs(name, model, stats, args.only, calib):
         t0 = time.perf_counter()
         cand, bits = make()
         r = kl_divergence(ref, cand, held, args.window, args.stride)
@@ -135,8 +136,8 @@ def run_model(name: str, args: argparse.Namespace,
 Job = tuple[str, str, Callable[[], tuple[Callable, float]]]
 
 
-def row_jobs(name: str, model: il.Transformer, stats: dict, only: list[str] | None
-             ) -> list[Job]:
+def row_jobs(name: str, model: il.Transformer, stats: dict, only: list[str] | None,
+             calib: list[torch.Tensor] | None = None) -> list[Job]:
     """The rows to run: weights, activations, KV cache; with ``only``, those in its order."""
     weights = dict(WEIGHT_FORMATS) if name == "tiny-kjv" else {
         k: WEIGHT_FORMATS[k] for k in SMOL_WEIGHTS}
@@ -145,6 +146,10 @@ def row_jobs(name: str, model: il.Transformer, stats: dict, only: list[str] | No
         weights[f"int4 g{g} AWQ"] = calibrated(stats, "awq", g, model.config)
     jobs: list[Job] = [(label, "weights", lambda fn=fn: fake_quantize(model, fn))
                        for label, fn in weights.items()]
+    if calib is not None:  # GPTQ's original order: each block on the quantized blocks' outputs
+        jobs += [(f"int4 g{g} GPTQ sequential", "weights", lambda g=g: quantize_sequential(
+            model, calib, lambda st, g=g: calibrated(st, "gptq", g, model.config)))
+            for g in (128, 32)]
     jobs += [(label, "activations", lambda fn=fn: (with_activation_format(model, fn), 8.0))
              for label, fn in (("act fp8_e4m3 per-token", _act_fp8),
                                ("act int8 per-token", _act_int8))]
