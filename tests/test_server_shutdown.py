@@ -17,6 +17,14 @@ import pytest
 from tests.live_server import free_port, serve_process
 
 
+def running(metrics: str) -> float:
+    """The server's ``num_requests_running`` gauge, from its /metrics text."""
+    for line in metrics.splitlines():
+        if line.startswith("infer_lab:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError("num_requests_running")
+
+
 def start_server(port: int, grace: float) -> subprocess.Popen:
     return serve_process(port, "--num-kv-blocks", "128", "--shutdown-grace", str(grace),
                          stdout=subprocess.PIPE)
@@ -48,7 +56,11 @@ def test_signal_drains_then_exits_cleanly(sig):
                     break
                 await asyncio.sleep(0.05)
             short = asyncio.ensure_future(http.post(f"{base}/v1/completions", json=short_body))
-            await asyncio.sleep(0.3)  # the short request is in flight
+            for _ in range(2400):  # until the short request is in flight, running beside the
+                if short.done() or running(  # long one (a loaded machine may take a while to
+                        (await http.get(f"{base}/metrics")).text) >= 2:  # admit it; 120 s)
+                    break
+                await asyncio.sleep(0.05)
             proc.send_signal(sig)
             health = 0
             for _ in range(400):  # while draining, existing connections see 503 (a loaded
