@@ -133,14 +133,18 @@ def quantize_sequential(model: nn.Module, sequences: list[torch.Tensor],
                               stop_after=q.get_submodule(block))
         fn = weight_fn_for(stats)
         for name, mod in linears:
-            w_hat, b = fn(name, mod.weight.detach().float())
-            if w_hat.shape != mod.weight.shape or not torch.isfinite(w_hat).all():
-                raise FormatError(f"{name}: the quantized weight is {tuple(w_hat.shape)} or "
-                                  "not finite")
-            mod.weight.copy_(w_hat.to(mod.weight.dtype))
-            bits += b * mod.weight.numel()
+            bits += _replace_weight(name, mod, fn) * mod.weight.numel()
             numel += mod.weight.numel()
     return q, bits / numel
+
+
+def _replace_weight(name: str, mod: nn.Linear, weight_fn: WeightFn) -> float:
+    """Put ``weight_fn``'s decoded weight into ``mod`` (checked); return its bits per weight."""
+    w_hat, b = weight_fn(name, mod.weight.detach().float())
+    if w_hat.shape != mod.weight.shape or not torch.isfinite(w_hat).all():
+        raise FormatError(f"{name}: the quantized weight is {tuple(w_hat.shape)} or not finite")
+    mod.weight.copy_(w_hat.to(mod.weight.dtype))
+    return b
 
 
 @torch.no_grad()
@@ -150,12 +154,7 @@ def fake_quantize(model: nn.Module, weight_fn: WeightFn) -> tuple[nn.Module, flo
     q = copy.deepcopy(model)
     bits = numel = 0.0
     for name, mod in layer_linears(q):
-        w_hat, b = weight_fn(name, mod.weight.detach().float())
-        if w_hat.shape != mod.weight.shape or not torch.isfinite(w_hat).all():
-            raise FormatError(f"{name}: the quantized weight is {tuple(w_hat.shape)} or not "
-                              "finite")
-        mod.weight.copy_(w_hat.to(mod.weight.dtype))
-        bits += b * mod.weight.numel()
+        bits += _replace_weight(name, mod, weight_fn) * mod.weight.numel()
         numel += mod.weight.numel()
     return q, bits / numel
 
