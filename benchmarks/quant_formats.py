@@ -14,9 +14,10 @@ public domain; calibration from the start of the file, evaluation from after it,
 
 Each row: mean and 99th-percentile KL (nats per token), each with a 95 % interval from a
 bootstrap over whole windows (``kl_mean_ci95``, ``kl_p99_ci95``; the per-window sums are kept,
-the per-token values are not), the number of tokens past the 99th percentile (``beyond_p99``),
-top-1 agreement, perplexity (and the reference's), over ``--eval-tokens`` scored tokens in
-windows of ``--window`` (stride ``--stride``). SmolLM2's reference is its GGUF file dequantized
+the per-token values are not), the number of tokens past the 99th percentile (``beyond_p99``)
+and of the windows they come from (``windows_beyond_p99``: Chapter 7's events), top-1
+agreement, perplexity (and the reference's), over ``--eval-tokens`` scored tokens in windows of
+``--window`` (stride ``--stride``). SmolLM2's reference is its GGUF file dequantized
 to fp32: its linear weights sit on a Q4_1 grid already (int4 g32 min/scale reproduces them), its
 embedding on Q8_0's. The load average is recorded at the start and the end: seconds per row are
 only a rough guide.
@@ -123,6 +124,7 @@ def run_model(name: str, args: argparse.Namespace,
             "kl_mean_ci95": list(r.kl_mean_ci()),  # windows resampled, not tokens
             "kl_p99_ci95": list(r.kl_p99_ci()),  # likewise; the per-token values not kept
             "beyond_p99": r.beyond_p99,  # tokens past the p99: >= 10 for it to be a tail
+            "windows_beyond_p99": r.windows_beyond_p99,  # the passages they come from
             "seconds": round(time.perf_counter() - t0, 1)})
         result["eval_tokens"] = r.tokens
         lo, hi = result["rows"][-1]["kl_p99_ci95"]

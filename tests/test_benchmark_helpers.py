@@ -79,6 +79,7 @@ def test_quant_formats_row_carries_both_intervals_and_no_per_token_values():
     lo, hi = row["kl_p99_ci95"]
     assert lo <= row["kl_p99"] <= hi and row["kl_mean_ci95"][1] < lo
     assert row["beyond_p99"] == stats.beyond(row["tokens"], 99) == 11
+    assert row["windows_beyond_p99"] == 5  # those 11 tokens come from 5 of the 16 windows
 
 
 def _aiperf_record(phase, start_ns, ttft_ms, e2el_ms, icl_ms, error=None):

@@ -94,6 +94,23 @@ class KLResult:
         not a tail (Chapter 7's rule); 10,000 tokens give 100."""
         return stats.beyond(self.tokens, 99)
 
+    @property
+    def windows_beyond_p99(self) -> int | None:
+        """How many windows the :attr:`beyond_p99` tokens come from: Chapter 7's count of events.
+
+        One hard passage raises a run of neighbouring tokens, and a window is such a stretch of
+        text, so tokens past the p99 from one window are one event, not several: the tail rests
+        on this many independent observations (fewer than ``MIN_BEYOND``: a few passages, however
+        many tokens). The tokens past it are the largest by rank, ties in text order, as
+        :func:`~infer_lab.measure.stats.stall_events` takes them. None when the per-token values
+        were not kept (a result read back from a file).
+        """
+        if not self.window_kls:
+            return None
+        ranked = sorted(((v, w) for w, kls in enumerate(self.window_kls) for v in kls),
+                        key=lambda vw: vw[0])  # stable: ties stay in text order
+        return len({w for _, w in ranked[len(ranked) - stats.beyond(len(ranked), 99):]})
+
 
 class CachedReference:
     """A reference model whose logits are computed once per window and replayed after.
