@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import infer_lab as il
 from infer_lab.cache import (
@@ -111,6 +112,66 @@ def test_batched_torch_backend_equals_the_reference(window, heads):
     ref = paged_attention_ref(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
                               batch.cu_seqlens_q, window=window)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+class RecordSDPA(TorchDispatchMode):
+    """The query shapes ``[B, Hq, q_len, D]`` of every SDPA call inside (one op in inference
+    mode; outside it, the CPU kernel SDPA dispatches to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in str(func):
+            self.q_shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+# (context length after the step, query rows): a long chunk starting mid-sequence, decodes at
+# different context lengths, and two 4-row chunks, the groups' sequences interleaved
+MIXED = [(37, 1), (430, 300), (5, 1), (60, 4), (200, 1), (9, 4), (64, 1)]
+
+
+@pytest.mark.parametrize("window", [None, 7, 64])
+@pytest.mark.parametrize("order", ["interleaved", "decodes_first"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_is_unpadded_and_equals_the_reference(window, order, kv_dtype):
+    """A long chunk beside decodes (GQA, a window, bf16 keys read into fp32 queries): the torch
+    path equals the per-sequence reference, and its SDPA calls see exactly the step's query
+    rows (a padded path would see every sequence padded to the 300-row chunk)."""
+    from infer_lab.model.config import ModelConfig
+
+    hq, hkv, d, block_size, num_blocks = 8, 2, 16, 16, 64
+    cases = MIXED if order == "interleaved" else sorted(MIXED, key=lambda c: c[1])
+    gen = torch.Generator().manual_seed(len(order) + (window or 0))
+    seqs = [(torch.randn(q_len, hq, d, generator=gen), torch.randn(n, hkv, d, generator=gen),
+             torch.randn(n, hkv, d, generator=gen)) for n, q_len in cases]
+    batch, k_cache, v_cache = scatter_into_pages(seqs, block_size, num_blocks, gen)
+    assert batch.num_seqs * batch.max_query_len > 5 * batch.num_tokens  # padding would show
+    cfg = ModelConfig.from_dict(dict(
+        model_type="llama", vocab_size=8, hidden_size=hq * d, intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
+    ))
+    cache = PagedKVCache(cfg, num_blocks, block_size, dtype=kv_dtype)
+    cache.k_caches[1].copy_(k_cache)
+    cache.v_caches[1].copy_(v_cache)
+    q = torch.cat([s[0] for s in seqs])
+    slots = batch.slot_mapping
+    k_new = cache.k_caches[1].view(-1, hkv, d)[slots].float()  # what is there already
+    v_new = cache.v_caches[1].view(-1, hkv, d)[slots].float()
+    ctx = PagedAttentionContext(cache, batch, backend="torch")
+    with RecordSDPA() as seen:
+        out = ctx.attend(1, q, k_new, v_new, window)
+    ref = paged_attention_ref(q, cache.k_caches[1], cache.v_caches[1], batch.block_tables,
+                              batch.context_lens, batch.cu_seqlens_q, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert sum(b * q_len for b, _, q_len, _ in seen.q_shapes) == batch.num_tokens
+    assert sorted(q_len for _, _, q_len, _ in seen.q_shapes) == [1, 4, 300]  # a call a length
+    # a second layer of the same step reuses the step's groups and gives the same answer
+    cache.k_caches[0].copy_(cache.k_caches[1])
+    cache.v_caches[0].copy_(cache.v_caches[1])
+    torch.testing.assert_close(ctx.attend(0, q, k_new, v_new, window), out, atol=0, rtol=0)
 
 
 def test_batch_layout():

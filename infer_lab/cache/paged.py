@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -153,14 +154,39 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, flat: torch.Tensor 
     return picked.view(tables.shape[0], -1, *cache.shape[2:])
 
 
+class _Group(NamedTuple):
+    """Sequences of a step with the same query length, attended by one SDPA call.
+
+    ``rows`` are their query rows in the flat batch: None (the whole batch, in order), a slice
+    (consecutive sequences) or an int64 index. Query lengths are equal inside a group, so no
+    query row is padding; only the keys are padded, to the group's longest block table, and
+    masked."""
+
+    rows: slice | torch.Tensor | None
+    q_len: int
+    tables: torch.Tensor  # [G, W] block ids, padding (-1) clamped to 0 and masked
+    flat: torch.Tensor  # tables.reshape(-1): the gather's index
+    pos: torch.Tensor  # [G, q_len] the queries' positions
+    qrows: torch.Tensor | None  # [G, q_len] the queries' rows, where needed (tree mask rows)
+    lens: torch.Tensor  # [G] context lengths after the step
+
+
 class PagedAttentionContext:
     """The model's attention backend for one :class:`PagedBatch` over a :class:`PagedKVCache`.
 
     ``backend`` picks the kernels as :mod:`infer_lab.kernels` does (None: the global setting,
     which is Triton on CUDA and torch elsewhere). The torch path computes the same thing as
-    :func:`paged_attention_ref` but batched: what depends only on the step (padded query rows,
-    positions, the mask) is built once and shared by every layer, and each layer does one gather
-    through the block tables and one attention call instead of a Python loop over sequences.
+    :func:`paged_attention_ref`, grouped instead of one sequence at a time: the step's sequences
+    are split by query length, and each group is one gather through its block tables and one
+    attention call a layer. What depends only on the step (the groups, their positions and masks)
+    is built once and shared by every layer.
+
+    Grouping by query length is what keeps the work unpadded: a decode-only step is one group
+    (one query each, the padding a view), and a mixed step (a 1,500-token prefill chunk beside
+    four decodes) is two calls, the decodes together and the chunk alone, where one padded call
+    would compute 1,500 query rows for every decode too. Keys are still padded, to the longest
+    block table of a group, and masked; tree batches (Chapter 9) take the same path, with the
+    tree's rows looked up per group.
     """
 
     def __init__(self, cache: PagedKVCache, batch: PagedBatch, *, backend: str | None = None
@@ -170,10 +196,9 @@ class PagedAttentionContext:
                              f"{cache.block_size}")
         self.cache, self.batch, self.backend = cache, batch, backend
         self.logits_indices = batch.logits_indices
-        self._step: tuple[torch.Tensor, ...] | None = None
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._groups: list[_Group] | None = None
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
         self._slots: torch.Tensor | None = None  # slot_mapping as int64 (the torch store's)
-        self._flat_tables: torch.Tensor | None = None  # the gather's block ids, end to end
         # Set to ask the model for its last hidden states (an EAGLE draft's features, Ch. 9).
         self.want_hidden_states = False
         self.hidden_states: torch.Tensor | None = None
@@ -198,20 +223,51 @@ class PagedAttentionContext:
                 max_query_len=getattr(b, "max_query_len", None))  # a host int: no sync
         return self._attend_torch(q, kc, vc, window)
 
-    def _step_layout(self) -> tuple[torch.Tensor, ...]:
-        """Per-step tensors: query rows padded to ``[B, max_q]``, their validity and positions."""
-        if self._step is None:
-            b = self.batch
-            cu, lens = b.cu_seqlens_q, b.context_lens
-            q_lens = cu[1:] - cu[:-1]
-            i = torch.arange(b.max_query_len, device=cu.device)
-            valid = i[None, :] < q_lens[:, None]
-            rows = (cu[:-1, None] + i[None, :]).clamp(max=b.num_tokens - 1)
-            pos = torch.where(valid, lens[:, None] - q_lens[:, None] + i[None, :], 0)
-            tables = b.block_tables.clamp(min=0)  # padding (-1) is masked out below
-            keys = torch.arange(tables.shape[1] * b.block_size, device=cu.device)
-            self._step = (valid, rows, pos, tables, keys)
-        return self._step
+    def _step_groups(self) -> list[_Group]:
+        """The step's sequences grouped by query length, built once for every layer.
+
+        A decode-only step is one group read straight from the batch (no host sync). Otherwise
+        the query and context lengths come to the host once (a CPU tensor on this path) and each
+        distinct query length becomes a group: its sequences' block tables cut to the group's
+        own longest, and the rows its queries occupy."""
+        if self._groups is not None:
+            return self._groups
+        b = self.batch
+        cu, lens = b.cu_seqlens_q, b.context_lens
+        if b.max_query_len == 1:
+            tables = b.block_tables.clamp(min=0)  # padding (-1) is masked out
+            qrows = torch.arange(b.num_seqs, device=cu.device)[:, None] \
+                if b.tree_mask is not None else None
+            self._groups = [_Group(None, 1, tables, tables.reshape(-1), (lens - 1)[:, None],
+                                   qrows, lens)]
+            return self._groups
+        cu_host, lens_host = cu.tolist(), lens.tolist()
+        by_len: dict[int, list[int]] = {}
+        for s in range(b.num_seqs):
+            by_len.setdefault(cu_host[s + 1] - cu_host[s], []).append(s)
+        groups = []
+        for q_len, seqs in by_len.items():
+            first, last = seqs[0], seqs[-1]
+            consecutive = last - first + 1 == len(seqs)
+            pick = slice(first, last + 1) if consecutive else torch.tensor(seqs, device=cu.device)
+            offsets = torch.arange(q_len, device=cu.device)
+            row_ids = None  # [G, q_len], for an index or a tree's rows
+            if not consecutive or b.tree_mask is not None:
+                starts = torch.tensor([cu_host[s] for s in seqs], device=cu.device)
+                row_ids = starts[:, None] + offsets
+            rows: slice | torch.Tensor | None = None  # one group: the batch's rows as they are
+            if consecutive and len(seqs) < b.num_seqs:
+                rows = slice(cu_host[first], cu_host[last + 1])
+            elif not consecutive and row_ids is not None:
+                rows = row_ids.reshape(-1)
+            width = cdiv(max(lens_host[s] for s in seqs), b.block_size)
+            tables = b.block_tables[pick, :width].clamp(min=0)
+            group_lens = lens[pick]
+            pos = group_lens[:, None] - q_len + offsets
+            groups.append(_Group(rows, q_len, tables, tables.reshape(-1), pos, row_ids,
+                                 group_lens))
+        self._groups = groups
+        return groups
 
     def _store_torch(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """:func:`~infer_lab.kernels.reference.store_kv_ref`'s writes in one op per tensor.
@@ -231,44 +287,60 @@ class PagedAttentionContext:
         kc.view(-1, *kc.shape[2:]).index_copy_(0, self._slots, k)
         vc.view(-1, *vc.shape[2:]).index_copy_(0, self._slots, v)
 
-    def _mask(self, window: int | None) -> torch.Tensor:
-        """``[B, 1, max_q, keys]``: causal by position, within the window, never past the end."""
-        if window not in self._masks:
-            _, _, pos, _, keys = self._step_layout()
-            allowed = keys[None, None, :] <= pos[:, :, None]
+    def _mask(self, index: int, window: int | None) -> torch.Tensor:
+        """Group ``index``'s ``[G, 1, q_len, keys]``: causal by position, within the window,
+        never past the end (a tree's region as its mask says)."""
+        if (index, window) not in self._masks:
+            g = self._step_groups()[index]
+            keys = torch.arange(g.tables.shape[1] * self.batch.block_size, device=g.pos.device)
+            allowed = keys[None, None, :] <= g.pos[:, :, None]
             if self.batch.tree_mask is not None:
-                allowed = self._tree(allowed, keys)
+                allowed = self._tree(g, allowed, keys)
             if window is not None:
-                allowed &= keys[None, None, :] > pos[:, :, None] - window
-            self._masks[window] = allowed[:, None]
-        return self._masks[window]
+                allowed &= keys[None, None, :] > g.pos[:, :, None] - window
+            self._masks[index, window] = allowed[:, None]
+        return self._masks[index, window]
 
-    def _tree(self, allowed: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """``allowed`` with each sequence's last W keys as ``tree_mask`` says."""
-        _, rows, _, _, _ = self._step_layout()
-        tree, lens = self.batch.tree_mask, self.batch.context_lens
-        assert tree is not None  # only called for a batch with a tree
+    def _tree(self, g: _Group, allowed: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``allowed`` with each of the group's sequences' last W keys as ``tree_mask`` says."""
+        tree = self.batch.tree_mask
+        assert tree is not None and g.qrows is not None  # only called for a batch with a tree
         width = tree.shape[1]
-        col = keys[None, :] - (lens[:, None] - width)  # [B, keys]: column in the region
-        inside = (col >= 0) & (keys[None, :] < lens[:, None])
-        picked = tree[rows].gather(2, col.clamp(0, width - 1)[:, None, :].expand(
-            -1, rows.shape[1], -1))  # [B, max_q, keys]
+        col = keys[None, :] - (g.lens[:, None] - width)  # [G, keys]: column in the region
+        inside = (col >= 0) & (keys[None, :] < g.lens[:, None])
+        picked = tree[g.qrows].gather(2, col.clamp(0, width - 1)[:, None, :].expand(
+            -1, g.q_len, -1))  # [G, q_len, keys]
         return torch.where(inside[:, None, :], picked, allowed)
 
     def _attend_torch(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                       window: int | None) -> torch.Tensor:
-        valid, rows, _, tables, _ = self._step_layout()
-        if self._flat_tables is None:
-            self._flat_tables = tables.reshape(-1)
-        keys = gather_blocks(kc, tables, self._flat_tables)  # [B, blocks * block_size, Hkv, D]
-        values = gather_blocks(vc, tables, self._flat_tables)
+        groups = self._step_groups()
+        if len(groups) == 1:  # every sequence the same query length: a decode-only step
+            return self._attend_group(0, groups[0], q, kc, vc, window)
+        out = torch.empty_like(q)
+        for index, g in enumerate(groups):
+            o = self._attend_group(index, g, q, kc, vc, window)
+            if isinstance(g.rows, slice):
+                out[g.rows] = o
+            else:
+                assert g.rows is not None  # a group over all rows is the only group
+                out.index_copy_(0, g.rows, o)
+        return out
+
+    def _attend_group(self, index: int, g: _Group, q: torch.Tensor, kc: torch.Tensor,
+                      vc: torch.Tensor, window: int | None) -> torch.Tensor:
+        """One group's attention, ``[G * q_len, Hq, D]`` in its rows' order."""
+        keys = gather_blocks(kc, g.tables, g.flat)  # [G, blocks * block_size, Hkv, D]
+        values = gather_blocks(vc, g.tables, g.flat)
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
-        # a decode-only step has one query per sequence, in order: the padding is a view
-        one_each = self.batch.max_query_len == 1
-        qb = q.unsqueeze(2) if one_each else q[rows].transpose(1, 2)  # [B, Hq, max_q, D]
-        out = F.scaled_dot_product_attention(
+        mine = q if g.rows is None else q[g.rows] if isinstance(g.rows, slice) else \
+            q.index_select(0, g.rows)
+        # one query per sequence, in order: the padding to [G, Hq, 1, D] is a view
+        qb = mine.unsqueeze(2) if g.q_len == 1 else \
+            mine.view(-1, g.q_len, *q.shape[1:]).transpose(1, 2)  # [G, Hq, q_len, D]
+        o = F.scaled_dot_product_attention(
             qb, keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=self._mask(window), enable_gqa=qb.shape[1] != keys.shape[2],
+            attn_mask=self._mask(index, window), enable_gqa=qb.shape[1] != keys.shape[2],
         )
-        return out[:, :, 0] if one_each else out.transpose(1, 2)[valid]
+        return o[:, :, 0] if g.q_len == 1 else o.transpose(1, 2).reshape(mine.shape)
