@@ -11,11 +11,13 @@ builds it beside the previous step) for three steps on one paged cache:
 - ``decodes``: the four decodes alone.
 
 Each runs through both paths (``varlen``: the package's; ``padded``: the previous code, kept
-here as :class:`PaddedAttentionContext`), interleaved round by round in a shuffled order (seeded:
-with a fixed cycle, each run always follows the same one, and in a first run the decode-only
-step, the same code on both paths, came out 1.2x slower on the path that always followed the
-padded mixed step) so that a noisy neighbour slows all alike; medians and interquartile ranges over
-``--rounds``, and the paired ratio padded / varlen of the mixed step round by round. Beside the
+here as :class:`PaddedAttentionContext`), interleaved round by round in a shuffled order (seeded,
+so that no run always follows the same one) so that a noisy neighbour slows all alike; medians
+and interquartile ranges over ``--rounds``, and the paired ratios padded / varlen of the mixed
+step and, as a control, of the decode-only step, which runs the same code on both paths: its
+ratio shows how far the order and the machine alone move a pair (a few-millisecond step that
+follows a second-long one runs from colder caches, and the shuffle does not remove that; it
+only spreads it over both paths). Beside the
 times: the query rows the SDPA calls of one layer saw (the padding made visible) and the largest
 logit difference between the paths. The bundled model by default (Chapter 13's opening step is
 its), fp32, one torch thread. The load average before and after is recorded: the machine is
@@ -184,9 +186,17 @@ def measure(model: Transformer, chunk: int, contexts: list[int], rounds: int
     over_prefill = {path: statistics.median(
         m / p for m, p in zip(samples["mixed", path], samples["prefill", path], strict=True))
         for path in PATHS}
+    control = [p / v for p, v in zip(samples["decodes", "padded"], samples["decodes", "varlen"],
+                                     strict=True)]
+    over_prefill_iqr = {path: quartiles(
+        [m / p for m, p in zip(samples["mixed", path], samples["prefill", path], strict=True)])
+        for path in PATHS}
     return {"rows": table, "mixed_padded_over_varlen": statistics.median(paired),
             "mixed_padded_over_varlen_iqr": quartiles(paired),
-            "mixed_over_prefill": over_prefill, "max_logit_difference": differences}
+            "decodes_padded_over_varlen": statistics.median(control),  # same code: the floor
+            "decodes_padded_over_varlen_iqr": quartiles(control),
+            "mixed_over_prefill": over_prefill, "mixed_over_prefill_iqr": over_prefill_iqr,
+            "max_logit_difference": differences}
 
 
 def main() -> None:
@@ -213,6 +223,10 @@ def main() -> None:
           f"[IQR {result['mixed_padded_over_varlen_iqr'][0]:.2f}-"
           f"{result['mixed_padded_over_varlen_iqr'][1]:.2f}]; mixed / prefill alone: "
           + ", ".join(f"{p} {x:.2f}" for p, x in result["mixed_over_prefill"].items())
+          + f"; control (decode-only, the same code): "
+          f"{result['decodes_padded_over_varlen']:.2f} [IQR "
+          f"{result['decodes_padded_over_varlen_iqr'][0]:.2f}-"
+          f"{result['decodes_padded_over_varlen_iqr'][1]:.2f}]"
           + f"; largest logit difference {max(result['max_logit_difference'].values()):.1e}"
           + f"; load average {load_before[0]:.2f} -> {load_after[0]:.2f}")
     payload = {**provenance("cpu"), "model": args.model, "dtype": "float32",

@@ -227,7 +227,8 @@ class PagedAttentionContext:
         """The step's sequences grouped by query length, built once for every layer.
 
         A decode-only step is one group read straight from the batch (no host sync). Otherwise
-        the query and context lengths come to the host once (a CPU tensor on this path) and each
+        the query and context lengths come to the host once a step (free for CPU tensors; one sync a
+        step for a GPU batch forced onto this path) and each
         distinct query length becomes a group: its sequences' block tables cut to the group's
         own longest, and the rows its queries occupy."""
         if self._groups is not None:
