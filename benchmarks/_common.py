@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -80,3 +81,9 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in rows:
         print("  ".join(fmt(r[c]).rjust(w) for c, w in zip(columns, widths)))
+
+
+def quartiles(xs: list[float]) -> list[float]:
+    """[25th, 75th] percentile: the spread to quote beside a median."""
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return [q[0], q[2]]

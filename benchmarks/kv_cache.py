@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import infer_lab as il
-from benchmarks._common import cpu_model, print_table, provenance, write_results
+from benchmarks._common import cpu_model, print_table, provenance, quartiles, write_results
 from infer_lab.cache import (
     BlockManager,
     ContiguousAttentionContext,
@@ -75,12 +75,6 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: str,
 def paired_ratios(num: list[float], den: list[float]) -> list[float]:
     """num / den repeat by repeat: each pair ran back to back, under the same load."""
     return [n / d for n, d in zip(num, den)]
-
-
-def quartiles(xs: list[float]) -> list[float]:
-    """[25th, 75th] percentile: the spread to quote beside a median."""
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return [q[0], q[2]]
 
 
 def spread(pair: list[float]) -> str:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import infer_lab as il
-from benchmarks._common import print_table, provenance, write_results
+from benchmarks._common import print_table, provenance, quartiles, write_results
 from infer_lab.cache.paged import (
     PagedAttentionContext,
     PagedBatch,
@@ -142,11 +142,6 @@ def make_steps(model: Transformer, chunk: int, contexts: list[int]
 def forward(model: Transformer, cache: PagedKVCache, batch: PagedBatch,
             path: type[PagedAttentionContext]) -> torch.Tensor:
     return model(batch.input_ids, batch.positions, path(cache, batch, backend="torch"))
-
-
-def quartiles(xs: list[float]) -> list[float]:
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return [q[0], q[2]]
 
 
 @torch.inference_mode()

@@ -316,7 +316,7 @@ class PagedAttentionContext:
     def _attend_torch(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                       window: int | None) -> torch.Tensor:
         groups = self._step_groups()
-        if len(groups) == 1:  # every sequence the same query length: a decode-only step
+        if len(groups) == 1:  # every sequence the same query length (a decode-only step, say)
             return self._attend_group(0, groups[0], q, kc, vc, window)
         out = torch.empty_like(q)
         for index, g in enumerate(groups):
