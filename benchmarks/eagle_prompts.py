@@ -111,6 +111,11 @@ EVERYDAY_SUBJECTS = [
     "a grandmother's recipe book", "a mountain climber", "a fox and a rabbit",
     "a quiet bookshop", "a rainy Sunday", "a kite festival", "an ant colony",
     "a river that changes its course", "a chess tournament", "an astronaut's first day in space",
+    "a girl who practises for a swimming race", "a bus driver on his last route", "a forgotten key",
+    "a street market at night", "a boy and his grandfather fishing", "a clock that runs backwards",
+    "a tortoise who wants to win a race", "a new neighbour", "a baby elephant",
+    "a long queue at the post office", "a sandcastle", "a family moving house",
+    "a stray kitten", "an old radio", "a spelling contest", "a penguin who hates the cold",
 ]
 EVERYDAY_TOPICS = [
     "volcanoes", "the moon's phases", "how plants make food", "the water cycle",
@@ -119,6 +124,9 @@ EVERYDAY_TOPICS = [
     "photosynthesis", "the ocean tides", "how airplanes fly", "dinosaurs", "the Olympic Games",
     "coral reefs", "solar panels", "sleep", "the printing press", "glaciers", "magnets",
     "how bread rises", "the solar system", "antibiotics", "deserts", "the immune system",
+    "owls", "the pyramids of Egypt", "hurricanes", "the human brain", "octopuses",
+    "wind turbines", "bats", "the Amazon rainforest", "the ancient Greeks", "penguins",
+    "clouds", "fungi", "the Vikings", "whales", "salt", "butterflies", "the Arctic",
 ]
 EVERYDAY_TASKS = [
     "saving money", "learning to cook", "sleeping better", "running a first marathon",
@@ -126,6 +134,9 @@ EVERYDAY_TASKS = [
     "staying calm before an exam", "starting a vegetable garden", "training a puppy",
     "organizing a small kitchen", "getting up early", "reading more books",
     "preparing for a job interview", "drinking more water", "cleaning a messy room",
+    "learning to swim", "taking better photos", "cooking for a large family", "going for walks",
+    "writing a diary", "playing the guitar", "knitting", "planning a birthday party",
+    "spending less time online", "baking at home", "keeping chickens", "doing yoga",
 ]
 EVERYDAY_RECIPES = ["pancakes", "a vegetable soup", "scrambled eggs", "a fruit salad",
                     "fresh lemonade", "tomato sauce", "a simple omelette", "rice and beans",
@@ -134,6 +145,31 @@ EVERYDAY_PAIRS = [("a cat", "a dog"), ("a lake", "an ocean"), ("weather", "clima
                   ("a virus", "a bacterium"), ("coffee", "cocoa"),
                   ("a crocodile", "an alligator"), ("a star", "a planet"),
                   ("baking", "frying"), ("a novel", "a short story")]
+EVERYDAY_INVENTIONS = ["the umbrella", "the printing press", "the wristwatch", "chocolate",
+                       "paper money", "the zipper", "glass", "the piano", "cheese", "the compass",
+                       "the bathtub", "the sandwich", "the lawn mower", "ice cream"]
+EVERYDAY_PRODUCTS = ["a reusable water bottle", "a pair of running shoes", "a wooden desk",
+                     "a winter jacket", "a coffee grinder", "a desk lamp", "a garden hose",
+                     "a board game for families", "a set of kitchen knives", "a wool blanket"]
+EVERYDAY_JOBS = ["a firefighter", "a baker", "a zookeeper", "a pilot", "a farmer", "a librarian",
+                 "a chef", "a mail carrier", "an architect", "a fisherman", "a gardener",
+                 "a bus driver", "a journalist", "a plumber", "a park ranger"]
+EVERYDAY_OUTINGS = ["a picnic in the park", "a day at the beach", "a friend's wedding",
+                    "a long flight", "a music festival", "a ski trip", "a job interview",
+                    "a day at the zoo"]
+EVERYDAY_MACHINES = ["a refrigerator", "a microwave oven", "a thermometer", "a car engine",
+                     "a washing machine", "an elevator", "a camera", "a battery", "a clock",
+                     "a vacuum cleaner", "a lock and key"]
+EVERYDAY_WHYS = ["leaves change colour in autumn", "the sea is salty", "we have seasons",
+                 "bread goes stale", "ice floats on water", "cats purr", "we yawn",
+                 "onions make you cry", "metal feels cold", "birds fly south in winter"]
+EVERYDAY_DUOS = ["a chef and a customer", "a doctor and a patient", "two neighbours",
+                 "a shopkeeper and a child", "a coach and a player", "two old friends",
+                 "a pilot and a passenger", "a librarian and a visitor"]
+EVERYDAY_NOTES = ["your neighbour thanking them for their help",
+                  "your landlord asking to fix the heating",
+                  "a friend inviting them to dinner", "your team about a change of plans",
+                  "a shop asking about a late delivery", "a colleague who is leaving"]
 EVERYDAY_TEMPLATES = [
     ("Write a short story about {x}.", EVERYDAY_SUBJECTS),
     ("Describe {x} in a few sentences.", EVERYDAY_SUBJECTS),
@@ -148,6 +184,16 @@ EVERYDAY_TEMPLATES = [
     ("How do I make {x}?", EVERYDAY_RECIPES),
     ("Write a recipe for {x}.", EVERYDAY_RECIPES),
     ("What is the difference between {x}?", [f"{a} and {b}" for a, b in EVERYDAY_PAIRS]),
+    ("Tell me about the history of {x}.", EVERYDAY_INVENTIONS),
+    ("Write a product description for {x}.", EVERYDAY_PRODUCTS),
+    ("Describe what a typical day looks like for {x}.", EVERYDAY_JOBS),
+    ("What should I bring to {x}?", EVERYDAY_OUTINGS),
+    ("Explain how {x} works.", EVERYDAY_MACHINES),
+    ("Explain why {x}.", EVERYDAY_WHYS),
+    ("Write a short conversation between {x}.", EVERYDAY_DUOS),
+    ("Write a note to {x}.", EVERYDAY_NOTES),
+    ("Write a few lines of verse about {x}.", EVERYDAY_SUBJECTS),
+    ("Give me three tips for {x}.", EVERYDAY_TASKS),
 ]
 EVERYDAY_SUFFIXES = ["", " Keep it short.", " Use simple words.", " Answer in a few sentences.",
                      " Make it cheerful."]
@@ -172,7 +218,7 @@ def kjv_verses() -> list[str]:
 def training_prompts(n: int, seed: int = 0, verses: list[str] | None = None,
                      everyday: float = 0.0) -> list[str]:
     """``n`` distinct training prompts, seeded: a fraction ``everyday`` of draws are everyday
-    prompts (about 1,500 distinct ones), the rest KJV prompts (about half of
+    prompts (about 3,000 distinct ones), the rest KJV prompts (about half of
     them carrying one to three consecutive verses); none of them is a held-out prompt."""
     verses = kjv_verses() if verses is None else verses
     rng = random.Random(seed)
