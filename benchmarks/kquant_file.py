@@ -30,7 +30,9 @@ text, by :func:`~infer_lab.measure.kl.kl_divergence_many` in windows of 512 (str
 ``benchmarks/cpu_paths.py``: the Q4_K_M file kept, the Q4_1 file kept, and the Q4_K_M file
 dequantized to fp32 (its weights' error alone). (3) batch-1 decode and batch-16 output tokens/s
 (``cpu_paths.speed``) of the two kept files in interleaved rounds, the ratio per round; aten ops
-per decode step; file size and bits per weight of the matrices.
+per decode step (and of one call of a few layers: the Q4_K_M file's q/k/v projection with a Q8_0 v
+is a ``ConcatLinear`` whose v part, 18 groups a row, makes one int8 call per group); file size
+and bits per weight of the matrices.
 
     python -m benchmarks.kquant_file [--threads 1] [--rounds 5] [--tokens 10240] [--out DIR]
 """
@@ -54,6 +56,7 @@ import infer_lab as il
 from benchmarks._common import cpu_model, provenance, write_results
 from benchmarks.cpu_paths import HELDOUT, ops_per_decode_step, speed
 from infer_lab.measure.kl import kl_divergence_many
+from infer_lab.measure.ops import CountOps
 from infer_lab.model.gguf import find_gguf
 from infer_lab.model.loader import cpu_serving_quantization
 from infer_lab.model.quant.kquants import QK_K, quantize_q4_k, quantize_q6_k
@@ -91,7 +94,7 @@ def encode(w: np.ndarray, qtype: str) -> np.ndarray:
         return quantize_q4_k(torch.from_numpy(w)).numpy().reshape(w.shape[0], -1)
     if qtype == "Q6_K":
         return quantize_q6_k(torch.from_numpy(w)).numpy().reshape(w.shape[0], -1)
-    return gguf.quants.quantize(w, Q[qtype])
+    return gguf.quants.quantize(w, getattr(Q, qtype))
 
 
 def write_kquant_gguf(source: Path, dest: Path) -> dict[str, Any]:
@@ -123,7 +126,7 @@ def write_kquant_gguf(source: Path, dest: Path) -> dict[str, Any]:
         wanted = q4_k_m_type(t.name, layers, tied)
         qtype = wanted if shape[1] % QK_K == 0 else FALLBACK[wanted]
         blocks = encode(w, qtype)
-        writer.add_tensor(t.name, blocks, raw_dtype=Q[qtype])
+        writer.add_tensor(t.name, blocks, raw_dtype=getattr(Q, qtype))
         same = (t.tensor_type.name == qtype
                 and bool(np.array_equal(np.asarray(t.data).reshape(blocks.shape), blocks)))
         tensors[t.name] = dict(shape=list(shape), wanted=wanted, type=qtype,
@@ -159,6 +162,23 @@ def kept_layout(model: torch.nn.Module) -> dict[str, Any]:
                 mod, (QuantizedLinear, ConcatLinear)):
             out[name] = "+".join(f"{p.fmt}/g{p.group_size}/{str(p.scale.dtype)[6:]}"
                                  for p in parts)
+    return out
+
+
+@torch.inference_mode()
+def layer_ops(model: torch.nn.Module) -> dict[str, int]:
+    """aten ops of one one-row call of the q/k/v and down projections of layer 0 (a
+    ``use_more_bits`` layer: Q8_0 v, Q6_K down in the Q4_K_M file) and layer 3 (Q4_K down):
+    where a decode step's extra ops come from."""
+    out: dict[str, int] = {}
+    for name in ("layers.0.self_attn.qkv_proj", "layers.0.mlp.down_proj",
+                 "layers.3.self_attn.qkv_proj", "layers.3.mlp.down_proj"):
+        mod = model.get_submodule(name)
+        x = torch.randn(1, int(mod.in_features))  # type: ignore[arg-type]
+        mod(x)
+        with CountOps() as count:
+            mod(x)
+        out[f"{name} ({type(mod).__name__})"] = count.n
     return out
 
 
@@ -216,6 +236,7 @@ def main() -> None:
     assert set(down) == {"int4/g32/float32", "int8g/g16/float32"}, down  # Q4_K, Q6_K kept
     llms = {p: il.LLM(m, tokenizer=tok, max_num_seqs=16) for p, m in models.items()}
     ops = {p: ops_per_decode_step(llm) for p, llm in llms.items()}
+    ops_layers = {p: layer_ops(m) for p, m in models.items()}
     runs: dict[str, dict[str, list[float]]] = {p: {"b1": [], "b16": []} for p in llms}
     for llm in llms.values():
         speed(llm, 1)  # warm each once
@@ -233,12 +254,13 @@ def main() -> None:
     with torch.inference_mode():
         res = kl_divergence_many(ref, cands, ids[: args.tokens + 1], args.window, args.stride)
     kl: dict[str, dict[str, Any]] = {}
-    for p, r in res.items():
-        kl[p] = dict(kl_mean=r.kl_mean, kl_mean_ci95=list(r.kl_mean_ci()), kl_p99=r.kl_p99,
-                     kl_p99_ci95=list(r.kl_p99_ci()), beyond_p99=r.beyond_p99,
-                     windows_beyond_p99=r.windows_beyond_p99, kl_max=r.kl_max,
-                     top1_agreement=r.top1_agreement, ppl=r.ppl, ppl_ref=r.ppl_ref,
-                     tokens=r.tokens, windows=len(r.window_sums))
+    for p, res_p in res.items():
+        kl[p] = dict(kl_mean=res_p.kl_mean, kl_mean_ci95=list(res_p.kl_mean_ci()),
+                     kl_p99=res_p.kl_p99, kl_p99_ci95=list(res_p.kl_p99_ci()),
+                     beyond_p99=res_p.beyond_p99, windows_beyond_p99=res_p.windows_beyond_p99,
+                     kl_max=res_p.kl_max, top1_agreement=res_p.top1_agreement, ppl=res_p.ppl,
+                     ppl_ref=res_p.ppl_ref, tokens=res_p.tokens,
+                     windows=len(res_p.window_sums))
     table = {p: dict(decode_b1_tok_s=statistics.median(runs[p]["b1"]),
                      batch16_tok_s=statistics.median(runs[p]["b16"]),
                      ops_per_decode_step=ops[p], **files[p], **kl[p]) for p in llms}
@@ -252,12 +274,13 @@ def main() -> None:
         print(f"{p:7s} {speed_cols} {k['kl_mean']:9.5f} [{k['kl_mean_ci95'][0]:.5f}, "
               f"{k['kl_mean_ci95'][1]:.5f}] {k['kl_p99']:8.5f} [{k['kl_p99_ci95'][0]:.5f}, "
               f"{k['kl_p99_ci95'][1]:.5f}]")
-    ratio = {k: dict(per_round=v, median=statistics.median(v), min=min(v), max=max(v))
-             for k, v in ratios.items()}
-    for k, v in ratio.items():
-        print(f"q4_k_m / q4_1 {k}: median {v['median']:.3f} (min {v['min']:.3f}, "
-              f"max {v['max']:.3f}) over {len(v['per_round'])} rounds")
+    ratio = {b: dict(median=statistics.median(v), min=min(v), max=max(v))
+             for b, v in ratios.items()}
+    for b, stats in ratio.items():
+        print(f"q4_k_m / q4_1 {b}: median {stats['median']:.3f} (min {stats['min']:.3f}, "
+              f"max {stats['max']:.3f}) over {len(ratios[b])} rounds")
     print(f"logits check: {check}")
+    print(f"ops of one one-row call: {ops_layers}")
     payload = dict(
         provenance("cpu"), cpu_model=cpu_model(), model=NAME, threads=args.threads,
         rounds=args.rounds, output_tokens=96, window=args.window, stride=args.stride,
@@ -275,7 +298,8 @@ def main() -> None:
         kept_down_proj=dict(down), kept_layout=dict(Counter(layout.values())),
         logits_check=check, tensors=tensors,
         fallback_same_bytes=sum(t["same_bytes_as_source"] for t in tensors.values()),
-        paths=table, kl=kl, runs=runs, ratio_q4_k_m_over_q4_1=ratio,
+        paths=table, ops_one_row_call=ops_layers, kl=kl, runs=runs,
+        ratio_q4_k_m_over_q4_1={b: dict(per_round=ratios[b], **ratio[b]) for b in ratios},
         load_before=load_before, load_after=os.getloadavg())
     out = write_results("kquant_file", payload, Path(args.out) if args.out else None)
     print(f"wrote {out}")
