@@ -128,8 +128,9 @@ def cpu_serving_quantization(model: str | os.PathLike | None,
     The dense model of such a file *is* its blocks dequantized, so keeping them changes no
     weight: what changes is that the matmuls read 4-8 bits a weight instead of 32 and feed bf16
     activations (:mod:`infer_lab.kernels.quant`); the KL divergence this costs against the fp32
-    model is measured for SmolLM2's Q4_1/Q8_0 file in ``benchmarks/results/peers.json`` (no
-    K-quant file was measured so). On a GPU the default stays dense.
+    model is measured for SmolLM2's Q4_1/Q8_0 file in ``benchmarks/results/peers.json`` and for
+    a Q4_K_M file made from it in ``benchmarks/results/kquant_file.json``. On a GPU the default
+    stays dense.
     """
     if (torch.device(device) if device is not None else default_device()).type != "cpu":
         return None
