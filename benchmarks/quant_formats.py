@@ -6,7 +6,11 @@ public domain; calibration from the start of the file, evaluation from after it,
 - **weights**: every format of :data:`infer_lab.model.quant.formats.WEIGHT_FORMATS` (FP8 at three
   scale granularities, MXFP8, MXFP4, NVFP4, Q4_K/Q5_K/Q6_K, int8, int4 RTN) plus GPTQ and AWQ
   int4 at groups of 128 and 32, calibrated on ``--calib-seqs`` sequences of ``--calib-len``
-  tokens. Bits per weight over the layers' linear weights, scales/zeros/g_idx counted; the
+  tokens: in one pass of the unquantized model (``GPTQ``, ``AWQ``), and GPTQ in its original
+  order too (``GPTQ true-sequential``, AutoGPTQ's default: block by block and, inside a block,
+  stage by stage on the quantized stages' outputs). The block-only order (AutoGPTQ's
+  ``true_sequential=False``, rows ``int4 g128/g32 GPTQ sequential``) runs only when ``--only``
+  names it. Bits per weight over the layers' linear weights, scales/zeros/g_idx counted; the
   embedding (tied LM head) is left unquantized in every row.
 - **activations**: every layer linear's input in FP8 E4M3 or int8 with a scale per token.
 - **kv**: K and V stored as fp16, int8 (+ scale per token and head), FP8 E4M3 without a scale
@@ -105,17 +109,17 @@ def run_model(name: str, args: argparse.Namespace,
         raise SystemExit(f"{name}: the text has {ids.numel()} tokens, too few for "
                          f"{n_cal} calibration + {eval_tokens} evaluation tokens")
     ref = CachedReference(model)
-    t0 = time.perf_counter()
-    stats = collect_stats(model, calib)
-    calib_s = time.perf_counter() - t0
-    print(f"{name}: calibration stats in {calib_s:.0f} s", flush=True)
+    stats = OnePassStats(model, calib, name)
     result = {"model": name, "reference": "fp32" if name == "tiny-kjv" else
               "fp32 dequantized from the GGUF file (linears Q4_1, embedding Q8_0)",
               "eval_tokens": eval_tokens, "calibration_tokens": n_cal,
-              "calibration_seconds": round(calib_s, 1), "rows": []}
+              "calibration_seconds": None, "rows": []}
     for label, family, make in row_jobs(name, model, stats, args.only, calib):
-        t0 = time.perf_counter()
+        t0, collected = time.perf_counter(), stats.seconds is not None
         cand, bits = make()
+        if not collected and stats.seconds is not None:  # this row was the first to read them
+            result["calibration_seconds"] = round(stats.seconds, 1)
+            t0 += stats.seconds  # the row's seconds leave the one pass out, as before
         r = kl_divergence(ref, cand, held, args.window, args.stride)
         del cand
         result["rows"].append({
@@ -135,12 +139,33 @@ def run_model(name: str, args: argparse.Namespace,
     return result
 
 
+class OnePassStats(dict):
+    """The one pass's calibration statistics (:func:`collect_stats`), collected when a row
+    first reads them: a run of rows that never does (``--only`` of RTN or the sequential GPTQ,
+    which collects its own) skips SmolLM2's minutes of it."""
+
+    def __init__(self, model: torch.nn.Module, calib: list[torch.Tensor], name: str) -> None:
+        super().__init__()
+        self.model, self.calib, self.name = model, calib, name
+        self.seconds: float | None = None
+
+    def __missing__(self, key: str) -> object:
+        if self.seconds is not None:
+            raise KeyError(key)
+        t0 = time.perf_counter()
+        self.update(collect_stats(self.model, self.calib))
+        self.seconds = time.perf_counter() - t0
+        print(f"{self.name}: calibration stats in {self.seconds:.0f} s", flush=True)
+        return self[key]
+
+
 Job = tuple[str, str, Callable[[], tuple[Callable, float]]]
 
 
 def row_jobs(name: str, model: il.Transformer, stats: dict, only: list[str] | None,
              calib: list[torch.Tensor] | None = None) -> list[Job]:
-    """The rows to run: weights, activations, KV cache; with ``only``, those in its order."""
+    """The rows to run: weights, activations, KV cache; with ``only``, those in its order (and
+    the block-only sequential GPTQ rows, which run only when named)."""
     weights = dict(WEIGHT_FORMATS) if name == "tiny-kjv" else {
         k: WEIGHT_FORMATS[k] for k in SMOL_WEIGHTS}
     for g in (128, 32):
@@ -148,10 +173,18 @@ def row_jobs(name: str, model: il.Transformer, stats: dict, only: list[str] | No
         weights[f"int4 g{g} AWQ"] = calibrated(stats, "awq", g, model.config)
     jobs: list[Job] = [(label, "weights", lambda fn=fn: fake_quantize(model, fn))
                        for label, fn in weights.items()]
-    if calib is not None:  # GPTQ's original order: each block on the quantized blocks' outputs
-        jobs += [(f"int4 g{g} GPTQ sequential", "weights", lambda g=g: quantize_sequential(
-            model, calib, lambda st, g=g: calibrated(st, "gptq", g, model.config)))
-            for g in (128, 32)]
+    named_only: list[Job] = []
+    if calib is not None:  # GPTQ's original order: each stage on the quantized stages' outputs
+        cal = calib
+
+        def sequential(g: int, true_sequential: bool) -> Callable[[], tuple[Callable, float]]:
+            return lambda: quantize_sequential(
+                model, cal, lambda st: calibrated(st, "gptq", g, model.config),
+                true_sequential=true_sequential)
+        jobs += [(f"int4 g{g} GPTQ true-sequential", "weights", sequential(g, True))
+                 for g in (128, 32)]
+        named_only += [(f"int4 g{g} GPTQ sequential", "weights", sequential(g, False))
+                       for g in (128, 32)]  # block by block only
     jobs += [(label, "activations", lambda fn=fn: (with_activation_format(model, fn), 8.0))
              for label, fn in (("act fp8_e4m3 per-token", _act_fp8),
                                ("act int8 per-token", _act_int8))]
@@ -161,7 +194,7 @@ def row_jobs(name: str, model: il.Transformer, stats: dict, only: list[str] | No
                               ("fp8_e4m3_scaled", 8 + 16 / d))]
     if not only:
         return jobs
-    by_label = {j[0]: j for j in jobs}
+    by_label = {j[0]: j for j in (*jobs, *named_only)}
     unknown = [o for o in only if o not in by_label]
     if unknown:
         raise SystemExit(f"{name}: no rows named {unknown}; rows: {list(by_label)}")

@@ -144,9 +144,10 @@ def test_tiny_calibration_end_to_end_beats_rtn_in_kl():
 
 
 def test_sequential_calibration_feeds_each_block_the_quantized_blocks_outputs():
-    """Block 0 sees what the one pass sees; block 1 sees what the model with block 0 already
-    quantized gives it, and not the unquantized inputs; with an identity "format" nothing is
-    quantized and every block's statistics are the one pass's, and the copy is the model."""
+    """Block by block only (``true_sequential=False``): block 0 sees what the one pass sees;
+    block 1 sees what the model with block 0 already quantized gives it, and not the
+    unquantized inputs; with an identity "format" nothing is quantized and every block's
+    statistics are the one pass's, and the copy is the model."""
     from infer_lab.model.quant.calibrate import blocks_of, quantize_sequential
 
     model, tok = il.load()
@@ -159,7 +160,7 @@ def test_sequential_calibration_feeds_each_block_the_quantized_blocks_outputs():
         seen.append(stats)
         return WEIGHT_FORMATS["int4 g32 RTN"]
 
-    q, bits = quantize_sequential(model, calib, rtn_for)
+    q, bits = quantize_sequential(model, calib, rtn_for, true_sequential=False)
     blocks = list(blocks_of(model))
     assert len(seen) == len(blocks) and 4 < bits < 5
     assert [set(st) for st in seen] == [{n for n, _ in blocks_of(model)[b]} for b in blocks]
@@ -180,12 +181,124 @@ def test_sequential_calibration_feeds_each_block_the_quantized_blocks_outputs():
         assert not m._forward_pre_hooks and not m._forward_hooks
     seen.clear()
     same, _ = quantize_sequential(model, calib, lambda st: (seen.append(st) or
-                                                            (lambda n, w: (w, 32.0))))
+                                                            (lambda n, w: (w, 32.0))),
+                                  true_sequential=False)
+    assert len(seen) == len(blocks)
     for st in seen:
         for n, v in st.items():
             assert torch.equal(v.xtx, one_pass[n].xtx), n
     with torch.no_grad():
         assert torch.equal(same(ids[None, :40]), model(ids[None, :40]))
+
+
+class _ToyBlock(torch.nn.Module):
+    """Separate q/k/v and gate/up (the bundled model fuses them); ``mode`` breaks the grouping:
+    "inplace" scales the input in place between k and v, "twice" runs o twice."""
+
+    def __init__(self, d: int, mode: str = "") -> None:
+        super().__init__()
+        lin = torch.nn.Linear
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (lin(d, d) for _ in range(4))
+        self.gate_proj, self.up_proj, self.down_proj = lin(d, 2 * d), lin(d, 2 * d), lin(2 * d, d)
+        self.mode = mode
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.normalize(h, dim=-1)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.mode == "inplace":
+            x.mul_(2)
+        v = self.v_proj(x)
+        a = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+        h = h + self.o_proj(a)
+        if self.mode == "twice":
+            h = h + self.o_proj(a)
+        x = torch.nn.functional.normalize(h, dim=-1)
+        return h + self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self, mode: str = "") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(32, 16)
+        self.layers = torch.nn.ModuleList([_ToyBlock(16, mode), _ToyBlock(16, mode)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+@pytest.mark.parametrize("mode", ["", "inplace", "twice"])
+def test_linear_stages_group_the_linears_that_read_one_input_in_the_order_they_run(mode):
+    from infer_lab.model.quant.calibrate import blocks_of, linear_stages
+
+    toy = _Toy(mode)
+    linears = blocks_of(toy)["layers.1"]
+    stages, grouped = linear_stages(toy, toy.layers[1], linears, torch.arange(8))
+    short = [[n.rsplit(".", 1)[-1].removesuffix("_proj") for n in st] for st in stages]
+    if mode == "twice":  # o runs twice: no safe grouping, one linear a stage in module order
+        assert not grouped and short == [[n] for n in ("q", "k", "v", "o", "gate", "up", "down")]
+    elif mode == "inplace":  # v reads x after it changed: not k's input any more
+        assert grouped and short == [["q", "k"], ["v"], ["o"], ["gate", "up"], ["down"]]
+    else:
+        assert grouped and short == [["q", "k", "v"], ["o"], ["gate", "up"], ["down"]]
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in toy.modules())
+
+
+def test_true_sequential_calibrates_each_stage_after_the_earlier_stages_of_its_block():
+    """GPTQ's default order inside a block: each stage of block 0 (qkv, o_proj, gate_up,
+    down_proj) is calibrated on exactly what a model with only the earlier stages of block 0
+    quantized gives it; every block's first stage sees what the block-only order gives it; an
+    identity "format" changes no statistic and not the model; no hook is left behind."""
+    from infer_lab.model.quant.calibrate import blocks_of, linear_stages, quantize_sequential
+
+    model, tok = il.load()
+    ids = torch.tensor(tok.encode(HELDOUT.read_text()))
+    calib = [ids[i: i + 32] for i in range(0, 32 * 4, 32)]
+    rtn = WEIGHT_FORMATS["int4 g32 RTN"]  # ignores the statistics: both orders round alike
+    one_pass = collect_stats(model, calib)
+    blocks = blocks_of(model)
+    stages = [linear_stages(model, model.get_submodule(b), lins, calib[0]) for b, lins in
+              blocks.items()]
+    assert all(grouped and len(st) == 4 for st, grouped in stages)
+    seen: list[dict] = []
+    q, bits = quantize_sequential(model, calib, lambda st: seen.append(st) or rtn)
+    assert [list(st) for st in seen] == [s for st, _ in stages for s in st] and 4 < bits < 5
+    block_only: list[dict] = []
+    q_block, _ = quantize_sequential(model, calib, lambda st: block_only.append(st) or rtn,
+                                     true_sequential=False)
+    for i, per_block in enumerate(block_only):  # the first stage: as without true_sequential
+        for name, st in seen[4 * i].items():
+            assert torch.equal(st.xtx, per_block[name].xtx), name
+            assert torch.equal(st.abs_sum, per_block[name].abs_sum) and st.rows == 4 * 32
+    first = stages[0][0]
+    for k, stage in enumerate(first):
+        done = {n for s in first[:k] for n in s}
+        part, _ = fake_quantize(model, lambda n, w, done=done: rtn(n, w) if n in done
+                                else (w, 32.0))
+        expect = collect_stats(part, calib, only=set(stage))
+        for name in stage:
+            got = seen[k][name]
+            assert torch.equal(got.xtx, expect[name].xtx), name
+            assert torch.equal(got.abs_sum, expect[name].abs_sum) and got.rows == 4 * 32
+            if k:  # ... and not what the unquantized block (the block-only order) gives
+                assert not torch.allclose(got.xtx, one_pass[name].xtx), name
+    with torch.no_grad():  # the two orders' models differ only through GPTQ, not under RTN
+        assert torch.equal(q(ids[None, :40]), q_block(ids[None, :40]))
+    seen.clear()
+    same, _ = quantize_sequential(model, calib, lambda st: seen.append(st) or
+                                  (lambda n, w: (w, 32.0)))
+    assert len(seen) == 16 and set().union(*seen) == set(one_pass)
+    for st in seen:  # the sample differs: the pass draws its rows for fewer linears at a time
+        for n, v in st.items():
+            assert torch.equal(v.xtx, one_pass[n].xtx) and v.rows == one_pass[n].rows, n
+            assert torch.equal(v.abs_sum, one_pass[n].abs_sum), n
+    with torch.no_grad():
+        assert torch.equal(same(ids[None, :40]), model(ids[None, :40]))
+    for m in (*q.modules(), *same.modules(), *model.modules()):
+        assert not m._forward_pre_hooks and not m._forward_hooks
 
 
 # ------------------------------------------------------------------ GPTQ checkpoint layout

@@ -4,9 +4,11 @@ GPTQ needs each linear layer's input Hessian ``2 X^T X / n``, AWQ each input cha
 magnitude and a sample of inputs: :func:`collect_stats` gathers all three in one pass of the
 unquantized model over calibration sequences (forward hooks on every linear of the transformer
 layers). That is the one-pass variant: the original GPTQ quantizes layer by layer and feeds
-each layer the *quantized* layers' outputs, which costs a pass per layer
-(:func:`quantize_sequential` does that, block by block); the original AWQ searches its scales
-block by block on the full-precision block's (scaled) outputs.
+each layer the *quantized* layers' outputs, which costs a pass per layer;
+:func:`quantize_sequential` does that block by block and, within a block, stage by stage
+(:func:`linear_stages`: the linears that read the same input, [q, k, v] or a fused qkv, then
+o_proj, then [gate, up], then down_proj), as AutoGPTQ's default ``true_sequential=True``. The
+original AWQ searches its scales block by block on the full-precision block's (scaled) outputs.
 
 :func:`fake_quantize` then replaces every such linear's weight by its quantized-and-decoded
 value: what a kernel that reads the format computes, up to the order of its additions. The
@@ -110,31 +112,94 @@ def blocks_of(model: nn.Module) -> dict[str, list[tuple[str, nn.Linear]]]:
     return blocks
 
 
+def _version(x: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (None for an inference-mode tensor, which has none)."""
+    try:
+        return x._version
+    except RuntimeError:
+        return None
+
+
+@torch.no_grad()
+def linear_stages(model: nn.Module, block: nn.Module, linears: list[tuple[str, nn.Linear]],
+                  sequence: torch.Tensor) -> tuple[list[list[str]], bool]:
+    """``block``'s linears in stages of those that read the same input, in the order they run,
+    found from one forward of ``sequence`` (stopped after the block), not from their names: a
+    Llama block gives [q, k, v] (or a fused qkv), [o_proj], [gate, up], [down_proj].
+
+    "The same input" is the same storage, view, dtype and in-place version: a stage's input was
+    made before any of its linears ran, so it depends only on earlier stages, and calibrating
+    a stage after quantizing those is GPTQ's order. Returns the stages and True; where a linear
+    runs more than once or not at all in that forward no grouping is safe, so one linear per
+    stage in the model's order and False (then each stage's forward must run the whole block).
+    """
+    calls: list[tuple[str, torch.Tensor, int | None]] = []
+
+    def hook(name: str) -> Callable:
+        def fn(_mod: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            calls.append((name, args[0], _version(args[0])))  # kept: no storage is reused
+        return fn
+
+    def stop(*_: object) -> None:
+        raise _Collected
+
+    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in linears]
+    hooks.append(block.register_forward_hook(stop))
+    try:
+        with torch.inference_mode(False), contextlib.suppress(_Collected):
+            model(torch.as_tensor(sequence, dtype=torch.long)[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    names = [n for n, _ in linears]
+    if sorted(n for n, _, _ in calls) != sorted(names):
+        return [[n] for n in names], False
+    stages: dict[tuple, list[str]] = {}
+    for name, x, version in calls:
+        key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(),
+               x.dtype, version)
+        stages.setdefault(key, []).append(name)
+    return list(stages.values()), True
+
+
 @torch.no_grad()
 def quantize_sequential(model: nn.Module, sequences: list[torch.Tensor],
                         weight_fn_for: Callable[[dict[str, LinearStats]], WeightFn],
-                        sample_rows: int = 512, seed: int = 0) -> tuple[nn.Module, float]:
+                        sample_rows: int = 512, seed: int = 0, *,
+                        true_sequential: bool = True) -> tuple[nn.Module, float]:
     """GPTQ's original order, block by block: each transformer block's linears are calibrated
     on the inputs that the blocks before it, *already quantized*, produce, and quantized
     before the next block is calibrated, so a block's rounding can make up for the error the
     earlier blocks left in its inputs. :func:`collect_stats` + :func:`fake_quantize` is the
     one-pass variant (every block calibrated on the unquantized model's inputs).
 
-    ``weight_fn_for(stats)`` gives the :data:`WeightFn` for one block's statistics. Within a
-    block every linear is calibrated on that block's inputs in one pass (AutoGPTQ with
-    ``true_sequential=False``; its default, ``True``, also re-collects the later linears of a
-    block after quantizing the earlier ones). Each block costs a forward of the calibration
-    sequences up to that block. Returns the quantized copy and its bits per weight.
+    With ``true_sequential`` (AutoGPTQ's default) the same holds inside a block: its linears
+    are taken in :func:`linear_stages` (q/k/v, o_proj, gate/up, down_proj) and each stage is
+    calibrated after the earlier stages of the block were quantized, so o_proj sees the
+    attention output of the quantized q/k/v and down_proj the activations of the quantized
+    gate/up. Each stage costs one more forward of the calibration sequences up to it (four a
+    Llama block instead of one, plus one sequence's forward to find its stages). Without it
+    every linear of a block is calibrated on that block's inputs in one pass (AutoGPTQ's
+    ``true_sequential=False``): a forward up to each block.
+
+    ``weight_fn_for(stats)`` gives the :data:`WeightFn` for one block's statistics (one
+    stage's with ``true_sequential``). Returns the quantized copy and its bits per weight.
     """
     q = copy.deepcopy(model)
     bits = numel = 0.0
     for block, linears in blocks_of(q).items():
-        stats = collect_stats(q, sequences, sample_rows, seed, only={n for n, _ in linears},
-                              stop_after=q.get_submodule(block))
-        fn = weight_fn_for(stats)
-        for name, mod in linears:
-            bits += _replace_weight(name, mod, fn) * mod.weight.numel()
-            numel += mod.weight.numel()
+        mod = q.get_submodule(block)
+        by_name = dict(linears)
+        stages, grouped = (linear_stages(q, mod, linears, sequences[0]) if true_sequential
+                           else ([list(by_name)], False))
+        for stage in stages:  # a grouped stage's forward ends after its last linear ran
+            stats = collect_stats(q, sequences, sample_rows, seed, only=set(stage),
+                                  stop_after=by_name[stage[-1]] if grouped else mod)
+            fn = weight_fn_for(stats)
+            for name in stage:
+                lin = by_name[name]
+                bits += _replace_weight(name, lin, fn) * lin.weight.numel()
+                numel += lin.weight.numel()
     return q, bits / numel
 
 
