@@ -392,7 +392,7 @@ def test_smollm2_shipped_head_lossless_with_preemption_and_chunks():
     """The shipped head on SmolLM2 (fp32), held-out chat prompts in a pool too small for all
     of them and a 24-token budget: greedy output equals no speculation's, chain and tree, and
     the head's drafts are accepted (more than 1.1 tokens per verification on average; the
-    shipped head kept about 1.6 at k = 4 and 1.7 with the tree on the held-out prompts of
+    shipped head kept about 1.8 at k = 4 and 2.0 with the tree on the held-out prompts of
     benchmarks/results/eagle.json)."""
     model, tok = il.load("smollm2-135m-instruct", device="cpu", dtype=torch.float32)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)
@@ -407,7 +407,7 @@ def test_smollm2_shipped_head_lossless_with_preemption_and_chunks():
         outs, engine = run(model, tok, prompts, params, spec, **small)
         st = engine.get_stats()
         assert st.num_preemptions > 0
-        assert st.spec_mean_accepted_length > 1.1  # the shipped head: ~1.6-1.7
+        assert st.spec_mean_accepted_length > 1.1  # the shipped head: ~1.8-2.0
         for prompt, a, b in zip(prompts, outs, base):
             assert_greedy_equal(a.outputs[0].token_ids, b.outputs[0].token_ids,
                                 logits_after(model, prompt))
