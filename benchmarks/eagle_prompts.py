@@ -9,7 +9,7 @@ ask about modern subjects (robots, computers, trains) and include Chapter 9's fr
 training prompt (:func:`training_prompts` checks it), and no held-out subject is a training
 subject. Some instruction forms are shared ("Write a short story about ..."), some are not.
 
-A fraction of the training prompts (``everyday``; 0.4 of draws in the shipped head's run) are
+A fraction of the training prompts (``everyday``; 0.8 of draws in the shipped head's run) are
 everyday requests of the kind chat models are asked (stories, explanations, tips, letters,
 recipes, comparisons) about modern subjects written here; :func:`training_prompts` refuses any
 that names a held-out subject (:data:`HELD_OUT_WORDS`), so these share the held-out set's
