@@ -7,15 +7,16 @@ with a fixed list of subjects of that world (shepherds, vineyards, bread). The h
 ask about modern subjects (robots, computers, trains) and include Chapter 9's free-text prompts
 ("Write a short story about a robot." and "... who learns to paint."); no held-out prompt is a
 training prompt (:func:`training_prompts` checks it), and no held-out subject is a training
-subject. Some instruction forms are shared ("Write a short story about ..."), some are not.
+subject. Since commit e198146 every held-out prompt's instruction form is among the training
+templates, word for word ("Tell me about the history of ...") or in other words ("Write a note
+to ..." for an email); only the subjects are held out.
 
 A fraction of the training prompts (``everyday``; 0.8 of draws in the shipped head's run) are
 everyday requests of the kind chat models are asked (stories, explanations, tips, letters,
 recipes, comparisons) about modern subjects written here; :func:`training_prompts` refuses any
 that names a held-out subject (:data:`HELD_OUT_WORDS`), so these share the held-out set's
-register and some of its instruction forms ("Write a short story about ...", "What are the
-benefits of ...?"), never its subjects. EAGLE's own heads are evaluated the same way: trained on
-ShareGPT conversations, measured on MT-bench's different ones.
+register and its instruction forms, never its subjects. (EAGLE's own heads are trained on
+ShareGPT conversations and measured on MT-bench's, different conversations.)
 """
 
 from __future__ import annotations
