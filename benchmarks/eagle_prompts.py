@@ -6,10 +6,12 @@ Training prompts are written instruction templates filled with material drawn fr
 with a fixed list of subjects of that world (shepherds, vineyards, bread). The held-out prompts
 ask about modern subjects (robots, computers, trains) and include Chapter 9's free-text prompts
 ("Write a short story about a robot." and "... who learns to paint."); no held-out prompt is a
-training prompt (:func:`training_prompts` checks it), and no held-out subject is a training
-subject. Since commit e198146 every held-out prompt's instruction form is among the training
-templates, word for word ("Tell me about the history of ...") or in other words ("Write a note
-to ..." for an email); only the subjects are held out.
+training prompt (:func:`training_prompts` checks it), and no everyday training prompt names a
+held-out subject (the KJV prompts are not filtered: "a city gate" is one of their subjects).
+The instruction forms are not held out: since commit e198146 every held-out prompt's form is
+among the training templates (everyday and KJV together), word for word for eleven ("Tell me
+about the history of ...", "Write a poem about ...") and in other words for five ("Write a note
+to ..." for an email).
 
 A fraction of the training prompts (``everyday``; 0.8 of draws in the shipped head's run) are
 everyday requests of the kind chat models are asked (stories, explanations, tips, letters,
