@@ -38,10 +38,15 @@ def glue(name: str, value: Any, fmt: str | None = None) -> None:
     notebook's prose names the value (``scripts/sync_notebooks.py`` writes ```name``` where the
     book shows the number), and the number is right there under the cell.
     """
-    shown = _Formatted(format(value, fmt)) if fmt else value
+    if fmt:
+        shown: Any = _Formatted(format(value, fmt))
+    elif isinstance(value, str):  # a commit, a name: shown as text, not as a quoted repr
+        shown = _Formatted(value)
+    else:
+        shown = value
     try:
         from myst_nb import glue as _glue
     except ImportError:
-        print(f"{name} = {shown!r}" if not fmt else f"{name} = {shown}")
+        print(f"{name} = {shown!r}")
         return
     _glue(name, shown, display=False)

@@ -243,7 +243,24 @@ def test_glue_returns_nothing_and_prints_outside_a_book_build(capsys, monkeypatc
     monkeypatch.setitem(sys.modules, "myst_nb", None)  # as on Colab: no myst-nb
     assert glue("ch0_speedup", 4.256, ".1f") is None
     assert glue("ch0_n", 12) is None
-    assert capsys.readouterr().out.splitlines() == ["ch0_speedup = 4.3", "ch0_n = 12"]
+    assert glue("ch0_commit", "abc1234") is None
+    assert capsys.readouterr().out.splitlines() == ["ch0_speedup = 4.3", "ch0_n = 12",
+                                                    "ch0_commit = abc1234"]
+
+
+def test_glued_strings_reach_the_book_without_quotes(monkeypatch):
+    """myst-nb shows a glued value's text/plain, its repr: a str would read 'abc1234'."""
+    import types
+
+    from infer_lab.notebook import glue
+
+    got: list[str] = []
+    fake = types.SimpleNamespace(glue=lambda name, value, display: got.append(repr(value)))
+    monkeypatch.setitem(sys.modules, "myst_nb", fake)
+    glue("ch0_commit", "abc1234")
+    glue("ch0_n", 12)
+    glue("ch0_x", 0.25, ".2f")
+    assert got == ["abc1234", "12", "0.25"]
 
 
 def _stray_value(source: str) -> str | None:
