@@ -8,7 +8,8 @@ each layer the *quantized* layers' outputs, which costs a pass per layer;
 :func:`quantize_sequential` does that block by block and, within a block, stage by stage
 (:func:`linear_stages`: the linears that read the same input, [q, k, v] or a fused qkv, then
 o_proj, then [gate, up], then down_proj), as AutoGPTQ's default ``true_sequential=True``. The
-original AWQ searches its scales block by block on the full-precision block's (scaled) outputs.
+original AWQ goes block by block too, but feeds each block the *unquantized* block's outputs,
+which are the one pass's inputs, so the one pass is its order.
 
 :func:`fake_quantize` then replaces every such linear's weight by its quantized-and-decoded
 value: what a kernel that reads the format computes, up to the order of its additions. The
